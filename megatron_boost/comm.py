@@ -1,0 +1,308 @@
+"""Every tensor-parallel collective of megatron-boost, as autograd Functions.
+
+Each Function states both directions in its docstring. Each public wrapper returns its input
+unchanged (or does the local equivalent) for a group of size 1, so a TP=1 run issues no
+collective. Widths are per token (the last dimension) unless stated; r is a bottleneck rank,
+d the hidden size, t the TP size. The model of this module is megatron-core's
+``tensor_parallel/mappings.py``; where one of its mappings is exactly what a mode needs (the
+naive mode's input copy and output reduce, the full-rank baseline) it is re-exported here rather
+than rewritten, so that this file remains the one place to read for the project's TP traffic.
+
+Accounting: :func:`record_collectives` records every collective issued on a given group while
+it is active (kind, direction, group size, elements, bytes), including those issued by
+megatron-core's own layers, by wrapping ``torch.distributed``'s entry points for the duration of
+the ``with`` block only. Outside the block nothing is wrapped: the cost when disabled is zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import mappings as _mcore_mappings
+
+__all__ = [
+    "reduce_bottleneck",
+    "copy_to_bottleneck",
+    "gather_hidden",
+    "scatter_hidden",
+    "copy_to_tp_region",
+    "reduce_from_tp_region",
+    "record_collectives",
+    "CollectiveRecord",
+    "CommLog",
+]
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    # Looked up on the module at call time so that record_collectives sees it.
+    torch.distributed.all_reduce(x, group=group)
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# boost mode
+# --------------------------------------------------------------------------------------------
+
+
+class _ReduceBottleneck(torch.autograd.Function):
+    """Sum the rank-partial bottleneck products (and online-RMSNorm's partial sums of squares).
+
+    fwd: all-reduce of the last dimension (r, or r + 1 with the fused sum of squares; for a
+         group of projections, r_q + r_k + r_v + 1).
+    bwd: identity. Everything downstream of the sum is computed identically on every rank and
+         the gradient reaching it is complete (see copy_to_bottleneck), so each rank's partial
+         receives the full gradient of the sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToBottleneck(torch.autograd.Function):
+    """Hand the replicated bottleneck activation σ(·) to the rank-local B factor.
+
+    fwd: identity (the activation is already replicated).
+    bwd: all-reduce of the gradient, width r (each rank's B holds only out/t output rows, so
+         each rank's gradient w.r.t. the bottleneck is a partial sum).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _GatherHidden(torch.autograd.Function):
+    """All-gather the hidden-sharded residual stream before the head.
+
+    fwd: all-gather along the last dimension, [s, b, d/t] -> [s, b, d] (width d).
+    bwd: keep the local slice of the gradient. The gradient of the gathered tensor is complete
+         and replicated on every rank (the output layer's own input copy all-reduces it), so the
+         slice is exact and no collective is needed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t = _size(group)
+        x = x.contiguous()
+        out = torch.empty((t,) + tuple(x.shape), dtype=x.dtype, device=x.device)  # [t, s, b, d/t]
+        _mcore_mappings.dist_all_gather_func(out, x, group=group)
+        # [t, s, b, d/t] -> [s, b, t, d/t] -> [s, b, d]
+        return out.movedim(0, -2).reshape(*x.shape[:-1], t * x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _local_slice(grad, ctx.group), None
+
+
+class _ScatterHidden(torch.autograd.Function):
+    """Take this rank's hidden shard of a replicated tensor.
+
+    fwd: local slice, [s, b, d] -> [s, b, d/t]; no communication.
+    bwd: all-gather of the gradient along the last dimension (width d).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _local_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherHidden.forward(ctx, grad, ctx.group), None
+
+
+def _local_slice(x: torch.Tensor, group) -> torch.Tensor:
+    t, k = _size(group), dist.get_rank(group)
+    width = x.shape[-1] // t
+    return x[..., k * width:(k + 1) * width].contiguous()  # [..., d/t]
+
+
+def reduce_bottleneck(x: torch.Tensor, group) -> torch.Tensor:
+    """fwd: all-reduce (width of x's last dim); bwd: identity. See _ReduceBottleneck."""
+    if _size(group) == 1:
+        return x
+    return _ReduceBottleneck.apply(x, group)
+
+
+def copy_to_bottleneck(x: torch.Tensor, group) -> torch.Tensor:
+    """fwd: identity; bwd: all-reduce (r). See _CopyToBottleneck."""
+    if _size(group) == 1:
+        return x
+    return _CopyToBottleneck.apply(x, group)
+
+
+def gather_hidden(x: torch.Tensor, group) -> torch.Tensor:
+    """fwd: all-gather [s, b, d/t] -> [s, b, d]; bwd: local slice. See _GatherHidden."""
+    if _size(group) == 1:
+        return x
+    return _GatherHidden.apply(x, group)
+
+
+def scatter_hidden(x: torch.Tensor, group) -> torch.Tensor:
+    """fwd: local slice [s, b, d] -> [s, b, d/t]; bwd: all-gather. See _ScatterHidden."""
+    if _size(group) == 1:
+        return x
+    return _ScatterHidden.apply(x, group)
+
+
+# --------------------------------------------------------------------------------------------
+# naive mode and the full-rank baseline: megatron-core's own mappings, re-exported.
+# --------------------------------------------------------------------------------------------
+
+
+def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """fwd: identity; bwd: all-reduce of the input gradient (width d_in).
+
+    The input of a naive bottleneck chunk (replicated stream into a column-parallel A).
+    megatron-core's ``copy_to_tensor_model_parallel_region``.
+    """
+    if _size(group) == 1:
+        return x
+    return _mcore_mappings.copy_to_tensor_model_parallel_region(x, group=group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """fwd: all-reduce of the output (width d_out); bwd: identity.
+
+    The output of a naive bottleneck chunk (row-parallel B). megatron-core's
+    ``reduce_from_tensor_model_parallel_region``.
+    """
+    if _size(group) == 1:
+        return x
+    return _mcore_mappings.reduce_from_tensor_model_parallel_region(x, group=group)
+
+
+# --------------------------------------------------------------------------------------------
+# accounting
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective seen by :func:`record_collectives`."""
+
+    kind: str
+    """'all_reduce', 'all_gather' or 'reduce_scatter'."""
+    direction: str
+    """'fwd' or 'bwd' (issued while autograd runs a backward pass)."""
+    group_size: int
+    """Number of ranks in the group."""
+    numel: int
+    """Elements handed to the collective by this rank (the full output for an all-gather)."""
+    nbytes: int
+    """numel times the element size."""
+    width: int
+    """Size of the last dimension of the tensor handed to the collective."""
+    shape: tuple
+    """Shape of that tensor."""
+
+
+@dataclass
+class CommLog:
+    """The collectives recorded in one :func:`record_collectives` block."""
+
+    records: List[CollectiveRecord] = field(default_factory=list)
+
+    def select(self, direction: Optional[str] = None, kind: Optional[str] = None):
+        return [r for r in self.records
+                if (direction is None or r.direction == direction)
+                and (kind is None or r.kind == kind)]
+
+    def count(self, direction: Optional[str] = None, kind: Optional[str] = None) -> int:
+        return len(self.select(direction, kind))
+
+    def bytes(self, direction: Optional[str] = None, kind: Optional[str] = None) -> int:
+        return sum(r.nbytes for r in self.select(direction, kind))
+
+    def widths(self, direction: Optional[str] = None, kind: Optional[str] = None) -> List[int]:
+        return [r.width for r in self.select(direction, kind)]
+
+    def summary(self) -> dict:
+        out = {}
+        for d in ("fwd", "bwd"):
+            out[d] = {"count": self.count(d), "bytes": self.bytes(d),
+                      "widths": self.widths(d)}
+        return out
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def record_collectives(group) -> Iterator[CommLog]:
+    """Record every all-reduce / all-gather / reduce-scatter issued on ``group`` in the block.
+
+    Collectives on other groups (data-parallel gradient reduction, pipeline p2p) are not
+    recorded. Usage::
+
+        with record_collectives(tp_group) as log:
+            loss = model(x).sum(); loss.backward()
+        log.count("fwd"), log.bytes("bwd")
+    """
+    log = CommLog()
+    if group is None or _size(group) == 1:
+        yield log
+        return
+
+    # Positional index of the group argument, and of the tensor whose size is recorded:
+    # all_reduce(tensor, op, group); all_gather_into_tensor(output, input, group) records the
+    # gathered output; reduce_scatter_tensor(output, input, op, group) records the full input.
+    group_pos = {"all_reduce": 2, "all_gather": 2, "reduce_scatter": 3}
+    tensor_pos = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 1}
+
+    def wrap(fn, kind):
+        def wrapped(*args, **kwargs):
+            pos = group_pos[kind]
+            grp = kwargs["group"] if "group" in kwargs else (args[pos] if len(args) > pos
+                                                             else None)
+            if grp is group:
+                t = args[tensor_pos[kind]]
+                # Width per token: an all-gather concatenates t inputs of [..., w/t] along
+                # dim 0, so its per-token width is the input's last dim times t.
+                width = (int(args[1].shape[-1]) * _size(group) if kind == "all_gather"
+                         else int(t.shape[-1]) if t.dim() else 1)
+                log.records.append(CollectiveRecord(
+                    kind=kind, direction="bwd" if _in_backward() else "fwd",
+                    group_size=_size(group), numel=t.numel(),
+                    nbytes=t.numel() * t.element_size(), width=width, shape=tuple(t.shape)))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    targets = [
+        (torch.distributed, "all_reduce", "all_reduce"),
+        (torch.distributed, "all_gather_into_tensor", "all_gather"),
+        (torch.distributed, "reduce_scatter_tensor", "reduce_scatter"),
+        (_mcore_mappings, "dist_all_gather_func", "all_gather"),
+        (_mcore_mappings, "dist_reduce_scatter_func", "reduce_scatter"),
+    ]
+    saved = []
+    try:
+        for owner, name, kind in targets:
+            fn = getattr(owner, name)
+            saved.append((owner, name, fn))
+            setattr(owner, name, wrap(fn, kind))
+        yield log
+    finally:
+        for owner, name, fn in reversed(saved):
+            setattr(owner, name, fn)

@@ -1,0 +1,166 @@
+"""Bottleneck model configuration: the tensor-parallel mode enum, bottleneck activations, and
+``BoostTransformerConfig``, megatron-core's TransformerConfig extended with the low-rank settings.
+
+The layers receive this object as Megatron's ``config=`` argument (through ``build_module``), so
+every setting they need travels explicitly with the config; nothing is read from globals.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+
+__all__ = [
+    "TPMode",
+    "BoostTransformerConfig",
+    "BOTTLENECK_ACTIVATIONS",
+    "register_bottleneck_activation",
+    "get_bottleneck_activation",
+]
+
+
+class TPMode(str, enum.Enum):
+    """How a decoder is tensor-parallelised (DESIGN.md section 2)."""
+
+    FULL = "full"
+    """Full-rank model, megatron-core's own column/row-parallel TP (baseline 1)."""
+    NAIVE = "naive"
+    """Bottleneck model, each (A, B) pair parallelised like a Megatron MLP: A column-parallel,
+    B row-parallel + all-reduce of the output; replicated residual stream (baseline 2)."""
+    BOOST = "boost"
+    """Bottleneck model with BOOST's bottleneck-aware TP: hidden-sharded residual stream, one
+    all-reduce of the r-wide bottleneck per projection group (the product)."""
+
+    @classmethod
+    def parse(cls, value) -> "TPMode":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError(
+                f"tp_mode ({value!r}) must be one of {[m.value for m in cls]}") from None
+
+    @property
+    def is_lowrank(self) -> bool:
+        return self is not TPMode.FULL
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+BOTTLENECK_ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,  # CoLA (arXiv 2502.10940)
+    "identity": _identity,  # vanilla low-rank factorisation
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+def register_bottleneck_activation(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """Make ``fn`` (elementwise) available as ``bottleneck_activation: <name>``.
+
+    The parallel layers apply the activation to replicated (boost) or rank-local slices (naive)
+    of the bottleneck, so any elementwise function is valid in every mode.
+    """
+    BOTTLENECK_ACTIVATIONS[name] = fn
+
+
+def get_bottleneck_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in BOTTLENECK_ACTIVATIONS:
+        raise ValueError(
+            f"bottleneck_activation ({name!r}) is unknown; choose one of "
+            f"{sorted(BOTTLENECK_ACTIVATIONS)} or register one with "
+            f"megatron_boost.config.register_bottleneck_activation")
+    return BOTTLENECK_ACTIVATIONS[name]
+
+
+@dataclass
+class BoostTransformerConfig(TransformerConfig):
+    """megatron-core TransformerConfig plus the bottleneck (low-rank) settings."""
+
+    tp_mode: TPMode = TPMode.BOOST
+    """Tensor-parallel mode: full (full-rank model), naive or boost (bottleneck model)."""
+
+    attn_rank: Optional[int] = None
+    """Rank r of the q, k, v and o bottlenecks. Required in naive and boost modes."""
+
+    mlp_rank: Optional[int] = None
+    """Rank r of the gate, up and down bottlenecks. Required in naive and boost modes."""
+
+    bottleneck_activation: str = "silu"
+    """Activation σ inside every bottleneck, y = B·σ(A·x): 'silu' (CoLA), 'identity'
+    (vanilla low-rank), or any registered name."""
+
+    mlp_gate_activation: bool = False
+    """Apply SiLU to the gate branch of the MLP as well (SwiGLU on top of the bottlenecks, as
+    CoLA's 60M/130M configs do). False: the activation lives only inside the bottlenecks."""
+
+    cola_init: bool = True
+    """Initialise both bottleneck factors with CoLA's randn · r^(-1/4) · (d_in + d_out)^(-1/4).
+    False: Megatron's init_method for A and output_layer_init_method for B."""
+
+    def __post_init__(self):
+        self.tp_mode = TPMode.parse(self.tp_mode)
+        tp = self.tensor_model_parallel_size
+        heads = self.num_attention_heads
+        groups = self.num_query_groups if self.num_query_groups is not None else heads
+        if self.tp_mode.is_lowrank:
+            get_bottleneck_activation(self.bottleneck_activation)
+            for name in ("attn_rank", "mlp_rank"):
+                value = getattr(self, name)
+                if value is None or int(value) <= 0:
+                    raise ValueError(
+                        f"{name} ({value}) must be a positive integer in {self.tp_mode.value} "
+                        f"mode; set model.{name} (CoLA uses about hidden_size/4)")
+                if value > self.hidden_size:
+                    raise ValueError(
+                        f"{name} ({value}) must not exceed hidden_size ({self.hidden_size}): a "
+                        f"bottleneck wider than the layer it factorises saves nothing")
+        if self.tp_mode is TPMode.NAIVE:
+            # A is column-parallel over the rank dimension (local r/tp rows).
+            for name in ("attn_rank", "mlp_rank"):
+                value = getattr(self, name)
+                if value % tp:
+                    raise ValueError(
+                        f"{name} ({value}) must be divisible by tensor_model_parallel_size "
+                        f"({tp}) in naive mode (A is split along the rank); choose a multiple "
+                        f"of {tp}")
+        if self.tp_mode is TPMode.BOOST:
+            # The residual stream is sharded along the hidden dimension (DESIGN.md 2, boost).
+            if self.hidden_size % tp:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by "
+                    f"tensor_model_parallel_size ({tp}) in boost mode: the residual stream is "
+                    f"sharded along the hidden dimension")
+        if self.tp_mode in (TPMode.BOOST, TPMode.FULL):
+            if self.ffn_hidden_size is not None and self.ffn_hidden_size % tp:
+                raise ValueError(
+                    f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
+                    f"tensor_model_parallel_size ({tp}) in {self.tp_mode.value} mode: the MLP "
+                    f"is sharded along the ffn dimension")
+        if heads % tp:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be divisible by "
+                f"tensor_model_parallel_size ({tp})")
+        if groups % tp:
+            raise ValueError(
+                f"num_query_groups ({groups}) must be divisible by "
+                f"tensor_model_parallel_size ({tp}): each rank holds whole key/value groups")
+        if heads % groups:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
+        if self.tp_mode.is_lowrank:
+            # CoLA's MLP: gate(x) ⊙ up(x) with the non-linearity inside the bottlenecks only,
+            # unless the extra gate SiLU is asked for.
+            self.gated_linear_unit = True
+            self.activation_func = F.silu if self.mlp_gate_activation else _identity
+            self.bias_activation_fusion = False
+        super().__post_init__()
+

@@ -1,0 +1,209 @@
+"""CPU mode: run megatron-core's real code paths on CPU with the gloo backend.
+
+megatron-core assumes CUDA in a handful of places (see DESIGN.md section 4):
+
+* ``device="cuda"`` / ``torch.cuda.current_device()`` allocations in the pipeline schedules and
+  the p2p communication code;
+* the tensor-parallel RNG tracker (``torch.cuda.get_rng_state`` and friends, plus megatron's
+  private ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``);
+* ``torch.cuda.synchronize`` and stream handling;
+* ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` in the optimizers and grad clipping.
+
+:func:`use_cpu` installs a small compatibility layer for exactly these calls: a
+``TorchFunctionMode`` that maps CUDA devices to the CPU (and reports CPU tensors with their CUDA
+type names), and patches of the CUDA-only functions listed above so that they act on the CPU
+generator or do nothing. No Megatron file is edited or copied. Activation is explicit and
+idempotent; on a machine with a usable GPU it refuses unless ``force=True`` is passed, so the
+layer is never active by accident on a CUDA run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["use_cpu", "is_cpu_mode", "CudaToCpuMode"]
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {"active": False, "mode": None, "patched": []}
+
+_CPU = torch.device("cpu")
+
+# Tensor.type() names that megatron's optimizers compare against.
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    """True for every spelling of a CUDA device: 'cuda', 'cuda:1', torch.device, or an int
+    (a bare int is a CUDA ordinal in torch's factory functions)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA devices in torch calls to the CPU while active.
+
+    * any ``device=`` keyword naming CUDA becomes ``cpu`` (factory functions, ``Tensor.to``);
+    * a positional CUDA device in ``Tensor.to`` becomes ``cpu``;
+    * ``Tensor.cuda()`` returns the tensor unchanged (it already lives on the CPU);
+    * ``Tensor.type()`` with no argument reports the CUDA type name megatron asserts on.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device=_CPU)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream: work on the CPU is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def wait_event(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cpu_get_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # The CPU generator stands in for the CUDA one: seeding it is what megatron's
+    # model_parallel_cuda_manual_seed intends for the device generator. (Not torch.manual_seed:
+    # that calls torch.cuda.manual_seed_all, which is patched to a no-op below.)
+    torch.default_generator.manual_seed(seed)
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _STATE["patched"].append((owner, name, getattr(owner, name, None)))
+    setattr(owner, name, value)
+
+
+def _install_patches() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+
+    cuda = torch.cuda
+    # Device queries and synchronisation.
+    _patch(cuda, "current_device", lambda: 0)
+    _patch(cuda, "synchronize", lambda *a, **k: None)
+    _patch(cuda, "Stream", _NullStream)
+    _patch(cuda, "current_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "default_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    _patch(cuda, "set_device", lambda *a, **k: None)
+    # Memory statistics: the CPU has none of the CUDA caching allocator's counters.
+    for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                 "max_memory_reserved"):
+        _patch(cuda, stat, lambda *a, **k: 0)
+    _patch(cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    _patch(cuda, "empty_cache", lambda *a, **k: None)
+    # RNG: the tensor-parallel tracker forks and restores the CPU generator instead.
+    _patch(cuda, "get_rng_state", _cpu_get_rng_state)
+    _patch(cuda, "set_rng_state", _cpu_set_rng_state)
+    _patch(cuda, "manual_seed", _cpu_manual_seed)
+    # torch.manual_seed seeds the CPU generator itself and then every CUDA device: none here.
+    _patch(cuda, "manual_seed_all", lambda *a, **k: None)
+    _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
+    _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+
+
+def _cuda_usable() -> bool:
+    try:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:  # pragma: no cover - a broken driver counts as no GPU
+        return False
+
+
+def use_cpu(force: bool = False) -> bool:
+    """Activate CPU mode for this process. Idempotent; returns True once active.
+
+    Args:
+        force: activate even though CUDA is usable (testing the CPU path on a GPU machine).
+
+    Raises:
+        RuntimeError: CUDA is usable and ``force`` is False; the caller should use NCCL
+            and the GPU instead.
+    """
+    with _LOCK:
+        if _STATE["active"]:
+            return True
+        if _cuda_usable() and not force:
+            raise RuntimeError(
+                "use_cpu() called on a machine with a usable CUDA device; CPU mode is for "
+                "machines without GPUs. Pass force=True to run on the CPU anyway."
+            )
+        _install_patches()
+        mode = CudaToCpuMode()
+        # Entered and never exited: the mode stays on this thread's function-mode stack
+        # for the life of the process (autograd's CPU backward runs on this thread too).
+        mode.__enter__()
+        _STATE.update(active=True, mode=mode)
+        return True
+
+
+def is_cpu_mode() -> bool:
+    """Whether :func:`use_cpu` has been activated in this process."""
+    return bool(_STATE["active"])
+
+
+def maybe_use_cpu(device: str = "auto") -> str:
+    """Pick the device kind for a run: ``'cuda'`` or ``'cpu'``; activates CPU mode when needed.
+
+    Args:
+        device: ``'auto'`` (GPU when usable), ``'cpu'`` (force CPU mode) or ``'cuda'``.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device ({device!r}) must be one of 'auto', 'cpu', 'cuda'")
+    if device == "cuda" or (device == "auto" and _cuda_usable()):
+        if not _cuda_usable():
+            raise RuntimeError("device='cuda' requested but no usable CUDA device was found; "
+                               "use device='cpu' (or 'auto') to run in CPU mode")
+        return "cuda"
+    use_cpu(force=True)
+    return "cpu"
+

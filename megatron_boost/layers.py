@@ -1,0 +1,419 @@
+"""Bottleneck linear layers y = B·σ(A·x) for the naive and boost tensor-parallel modes.
+
+Every dense projection of the decoder (q, k, v, o, gate, up, down) is a bottleneck
+(CoLA, arXiv 2502.10940). Projections that read the same input form one *group* (q, k, v; gate,
+up) whose A factors run as one GEMM and one collective (BOOST, arXiv 2512.12131, "linear layer
+grouping"). Global parameter shapes, identical in every mode and at every TP size:
+
+    A_<p>: [r_p, d_in]      B_<p>: [d_out_p, r_p]
+
+boost (BOOST's bottleneck-aware TP, DESIGN.md section 2):
+    A_<p>: [r_p, d_in/t]  sharded along d_in (dim 1; the input is hidden/head/ffn-sharded)
+    B_<p>: [d_out_p/t, r_p] sharded along d_out (dim 0; the output is head/ffn/hidden-sharded)
+    layer_norm_weight: [d_in/t] (fused online-RMSNorm, column layers only)
+    One all-reduce of width Σr (+1 with the norm) forward, one of width Σr backward.
+
+naive ("vanilla TP", Megatron's MLP pattern applied to each (A, B) pair):
+    A_<p>: [r_p/t, d_in]  sharded along r (dim 0; column-parallel, replicated input)
+    B_<p>: [d_out_p, r_p/t] sharded along r (dim 1; row-parallel, all-reduce of the output)
+    Forward: all-reduce of the group's output (width Σ d_out); backward: all-reduce of the
+    input gradient (width d_in).
+
+The four classes at the bottom obey megatron-core's constructor contract for the linear slots
+of a layer spec (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) and return
+``(output, None)``: these layers have no bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from megatron_boost import comm
+from megatron_boost.config import BoostTransformerConfig, TPMode, get_bottleneck_activation
+
+__all__ = [
+    "Projection",
+    "BottleneckGroup",
+    "BoostBottleneckGroup",
+    "NaiveBottleneckGroup",
+    "BoostLinearQKV",
+    "BoostLinearFC1",
+    "BoostLinearRow",
+    "NaiveLinearQKV",
+    "NaiveLinearFC1",
+    "NaiveLinearRow",
+    "cola_init_",
+]
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One bottleneck projection of a group."""
+
+    name: str
+    """Suffix of its parameters: A_<name>, B_<name>."""
+    rank: int
+    """Bottleneck rank r."""
+    out_size: int
+    """Global output size d_out."""
+
+
+def cola_init_(master: torch.Tensor, rank: int, d_in: int, d_out: int) -> torch.Tensor:
+    """CoLA initialisation of a global factor: randn · r^(-1/4) · (d_in + d_out)^(-1/4)."""
+    with torch.no_grad():
+        master.normal_(0.0, rank ** -0.25 * (d_in + d_out) ** -0.25)
+    return master
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class BottleneckGroup(MegatronModule):
+    """A group of bottleneck projections y_p = B_p·σ(A_p·x) sharing one input.
+
+    Subclasses fix the sharding (``_a_axis``, ``_b_axis``) and the forward. Global weights are
+    drawn on the CPU, one master tensor per factor in a fixed order (A_p then B_p for each
+    projection), and sliced: the same seed gives the same global weights in every mode and at
+    every TP size.
+
+    Args:
+        config: the model config (ranks, activation, init, dtype).
+        input_size: global d_in.
+        projections: the projections of the group, in output order.
+        tp_group: the tensor-parallel group the factors are sharded over.
+        fuse_norm: fuse online-RMSNorm of the input (boost only).
+    """
+
+    mode: TPMode
+    _a_axis: int
+    _b_axis: int
+
+    def __init__(self, config: BoostTransformerConfig, input_size: int,
+                 projections: Sequence[Projection], tp_group, fuse_norm: bool = False):
+        super().__init__(config=config)
+        self.input_size = input_size
+        self.projections = list(projections)
+        self.tp_group = tp_group
+        self.tp_size = _group_size(tp_group)
+        self.tp_rank = _group_rank(tp_group)
+        self.activation = get_bottleneck_activation(config.bottleneck_activation)
+        self.fuse_norm = fuse_norm
+        self.eps = config.layernorm_epsilon
+        self._check_divisible()
+        device = (torch.device("cpu") if config.use_cpu_initialization
+                  or not torch.cuda.is_available() else torch.cuda.current_device())
+        for p in self.projections:
+            for factor, (rows, cols), axis, init in (
+                ("A", (p.rank, input_size), self._a_axis, config.init_method),
+                ("B", (p.out_size, p.rank), self._b_axis, config.output_layer_init_method),
+            ):
+                master = torch.empty(rows, cols, dtype=torch.float32)
+                if config.cola_init:
+                    cola_init_(master, p.rank, input_size, p.out_size)
+                else:
+                    init(master)
+                local = master.chunk(self.tp_size, dim=axis)[self.tp_rank]
+                param = torch.nn.Parameter(local.to(device=device, dtype=config.params_dtype)
+                                           .contiguous())
+                set_tensor_model_parallel_attributes(param, is_parallel=True, dim=axis,
+                                                     stride=1)
+                self.register_parameter(f"{factor}_{p.name}", param)
+        if fuse_norm:
+            # γ of the fused RMSNorm, sharded like the hidden stream it scales.
+            gamma = torch.ones(input_size // self.tp_size, device=device,
+                               dtype=config.params_dtype)
+            self.layer_norm_weight = torch.nn.Parameter(gamma)
+            set_tensor_model_parallel_attributes(self.layer_norm_weight, True, 0, 1)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _check_divisible(self):
+        # boost shards d_in (A) and d_out (B); naive shards the rank (A rows, B columns).
+        sizes = ([("input size", self.input_size)]
+                 + [(f"output size of '{p.name}'", p.out_size) for p in self.projections]
+                 if self._a_axis == 1 else
+                 [(f"rank of '{p.name}'", p.rank) for p in self.projections])
+        for what, size in sizes:
+            if size % self.tp_size:
+                raise ValueError(
+                    f"{type(self).__name__}: {what} ({size}) must be divisible by "
+                    f"tensor_model_parallel_size ({self.tp_size}) in {self.mode.value} mode")
+
+    def factors(self, which: str) -> List[torch.nn.Parameter]:
+        return [getattr(self, f"{which}_{p.name}") for p in self.projections]
+
+    def _fused_a(self) -> torch.Tensor:
+        """The group's A factors as one matrix, so the group runs one GEMM."""
+        a = self.factors("A")
+        return a[0] if len(a) == 1 else torch.cat(a, dim=0)  # [Σ local r, local d_in]
+
+    def _apply_b(self, z: torch.Tensor, ranks: List[int]) -> List[torch.Tensor]:
+        """y_p = z_p · B_p^T for each projection; z: [s, b, Σr] split by ``ranks``."""
+        zs = z.split(ranks, dim=-1) if len(ranks) > 1 else (z,)
+        return [torch.matmul(zp, b.t()) for zp, b in zip(zs, self.factors("B"))]
+
+    def combine(self, outs: List[torch.Tensor]) -> torch.Tensor:
+        """Lay out the per-projection outputs as the consumer expects (default: concat)."""
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    # -- checkpointing ---------------------------------------------------------------------
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Global tensors named A_<p>, B_<p> (and layer_norm_weight), with global shapes that do
+        not depend on the mode or the TP size; only the sharding axis differs."""
+        state = self.state_dict(prefix="", keep_vars=True)
+        axis_map = {f"A_{p.name}": self._a_axis for p in self.projections}
+        axis_map.update({f"B_{p.name}": self._b_axis for p in self.projections})
+        if self.fuse_norm:
+            axis_map["layer_norm_weight"] = 0
+        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        if dp_cp_group is None:
+            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, axis_map, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=dp_cp_group)
+
+    def global_shapes(self) -> Dict[str, tuple]:
+        """Global (unsharded) shape of every parameter, by name."""
+        shapes = {}
+        for p in self.projections:
+            shapes[f"A_{p.name}"] = (p.rank, self.input_size)
+            shapes[f"B_{p.name}"] = (p.out_size, p.rank)
+        if self.fuse_norm:
+            shapes["layer_norm_weight"] = (self.input_size,)
+        return shapes
+
+    def shard_of(self, name: str, global_tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a global parameter (for loading and for tests)."""
+        param = getattr(self, name)
+        return global_tensor.chunk(self.tp_size, dim=param.partition_dim)[self.tp_rank]
+
+    def load_global_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        """Copy this rank's slices of the given global tensors into the parameters."""
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                getattr(self, name).copy_(self.shard_of(name, tensor))
+
+
+class BoostBottleneckGroup(BottleneckGroup):
+    """boost: sharded input -> partial A products -> all-reduce(Σr [+1]) -> σ -> sharded B.
+
+    Input  x: [s, b, d_in/t] (hidden-, head- or ffn-sharded).
+    Output:   [s, b, Σ d_out/t] (each projection's local output rows, then ``combine``).
+
+    With ``fuse_norm`` the layer computes B·σ(A·RMSNorm(x)) exactly, although no rank holds the
+    whole of x: RMSNorm only rescales each token, so A·(γ⊙x/rms) = (A·(γ⊙x))/rms. Each rank
+    adds its partial sum of squares Σ x_k² as one extra column of the SAME all-reduce
+    (online-RMSNorm, BOOST section 4), and 1/rms is applied after it.
+    """
+
+    mode = TPMode.BOOST
+    _a_axis = 1
+    _b_axis = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ranks = [p.rank for p in self.projections]
+        xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
+        partial = torch.matmul(xin, self._fused_a().t())  # [s, b, Σr] partial over ranks
+        if self.fuse_norm:
+            # Sum of squares in fp32; it travels in the activation dtype with the products
+            # (one collective), which is exact in fp32 and bf16-accurate in bf16.
+            sumsq = x.float().pow(2).sum(dim=-1, keepdim=True).to(partial.dtype)  # [s, b, 1]
+            fused = comm.reduce_bottleneck(torch.cat([partial, sumsq], dim=-1), self.tp_group)
+            total, sumsq = fused.split([sum(ranks), 1], dim=-1)  # [s, b, Σr], [s, b, 1]
+            inv_rms = torch.rsqrt(sumsq.float() / self.input_size + self.eps)
+            total = (total.float() * inv_rms).to(partial.dtype)
+        else:
+            total = comm.reduce_bottleneck(partial, self.tp_group)  # [s, b, Σr]
+        z = comm.copy_to_bottleneck(self.activation(total), self.tp_group)  # bwd: AR(Σr)
+        return self.combine(self._apply_b(z, ranks))
+
+
+class NaiveBottleneckGroup(BottleneckGroup):
+    """naive: replicated input -> column-parallel A (r/t) -> σ -> row-parallel B -> all-reduce.
+
+    Input  x: [s, b, d_in] replicated.  Output: [s, b, Σ d_out] replicated.
+    """
+
+    mode = TPMode.NAIVE
+    _a_axis = 0
+    _b_axis = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.copy_to_tp_region(x, self.tp_group)  # bwd: AR(d_in)
+        h = self.activation(torch.matmul(x, self._fused_a().t()))  # [s, b, Σr/t]
+        ranks = [p.rank // self.tp_size for p in self.projections]
+        out = self.combine(self._apply_b(h, ranks))  # [s, b, Σ d_out] partial over ranks
+        return comm.reduce_from_tp_region(out, self.tp_group)  # fwd: AR(Σ d_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron-core layer-spec slots
+# ---------------------------------------------------------------------------------------------
+
+
+def _reject_bias(bias: bool, cls_name: str):
+    if bias:
+        raise ValueError(f"{cls_name}: bottleneck layers have no bias; set add_bias_linear "
+                         f"(and add_qkv_bias) to False")
+
+
+class _QKVMixin:
+    """q, k, v of one attention layer, output in megatron-core's fused per-group layout.
+
+    SelfAttention splits ``linear_qkv``'s output as [s, b, ng_local, (np/ng + 2) · hn]:
+    for each local query group its np/ng query heads, then its key head, then its value head.
+    """
+
+    def _qkv_projections(self, config, input_size, output_size):
+        hn = config.kv_channels
+        ng = config.num_query_groups or config.num_attention_heads
+        q_out, kv_out = config.num_attention_heads * hn, ng * hn
+        if output_size != q_out + 2 * kv_out:
+            raise ValueError(f"linear_qkv output_size ({output_size}) must equal heads·hn + "
+                             f"2·groups·hn ({q_out + 2 * kv_out})")
+        r = config.attn_rank
+        self._hn, self._ng = hn, ng
+        return [Projection("q", r, q_out), Projection("k", r, kv_out),
+                Projection("v", r, kv_out)]
+
+    def combine(self, outs):
+        q, k, v = outs  # [s, b, nq_l·hn], [s, b, ng_l·hn], [s, b, ng_l·hn]
+        ng_l = k.shape[-1] // self._hn
+        q = q.view(*q.shape[:-1], ng_l, -1)  # [s, b, ng_l, np/ng·hn]
+        k = k.view(*k.shape[:-1], ng_l, self._hn)  # [s, b, ng_l, hn]
+        v = v.view(*v.shape[:-1], ng_l, self._hn)  # [s, b, ng_l, hn]
+        qkv = torch.cat([q, k, v], dim=-1)  # [s, b, ng_l, (np/ng + 2)·hn]
+        return qkv.view(*qkv.shape[:-2], -1)  # [s, b, ng_l·(np/ng + 2)·hn]
+
+
+def _fc1_projections(config, output_size):
+    ffn = output_size // 2
+    if output_size != 2 * config.ffn_hidden_size:
+        raise ValueError(f"linear_fc1 output_size ({output_size}) must be 2·ffn_hidden_size "
+                         f"({2 * config.ffn_hidden_size}): the MLP is gated (gate, up)")
+    # MLP chunks the local output in two: [gate_local; up_local], which concat gives.
+    return [Projection("gate", config.mlp_rank, ffn), Projection("up", config.mlp_rank, ffn)]
+
+
+def _row_projection(config, output_size, tp_comm_buffer_name):
+    rank = config.mlp_rank if tp_comm_buffer_name == "fc2" else config.attn_rank
+    return [Projection("o" if tp_comm_buffer_name != "fc2" else "down", rank, output_size)]
+
+
+class BoostLinearQKV(_QKVMixin, BoostBottleneckGroup):
+    """boost ``linear_qkv``: fused online-RMSNorm + q, k, v bottlenecks.
+
+    Input [s, b, d/t] hidden-sharded; output [s, b, ng/t·(np/ng + 2)·hn] head-sharded.
+    """
+
+    def __init__(self, input_size, output_size, *, config, init_method=None,
+                 gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
+                 tp_comm_buffer_name=None, tp_group=None, **kwargs):
+        _reject_bias(bias, type(self).__name__)
+        super().__init__(config, input_size,
+                         self._qkv_projections(config, input_size, output_size), tp_group,
+                         fuse_norm=True)
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+class BoostLinearFC1(BoostBottleneckGroup):
+    """boost ``linear_fc1``: fused online-RMSNorm + gate, up bottlenecks.
+
+    Input [s, b, d/t] hidden-sharded; output [s, b, 2·f/t] = [gate_local; up_local].
+    """
+
+    def __init__(self, input_size, output_size, *, config, init_method=None,
+                 gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
+                 tp_comm_buffer_name=None, tp_group=None, **kwargs):
+        _reject_bias(bias, type(self).__name__)
+        super().__init__(config, input_size, _fc1_projections(config, output_size), tp_group,
+                         fuse_norm=True)
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+class BoostLinearRow(BoostBottleneckGroup):
+    """boost ``linear_proj`` / ``linear_fc2``: head- or ffn-sharded input [s, b, in/t],
+    hidden-sharded output [s, b, d/t] (added to the sharded residual stream)."""
+
+    def __init__(self, input_size, output_size, *, config, init_method=None, bias=False,
+                 input_is_parallel=True, skip_bias_add=True, is_expert=False,
+                 tp_comm_buffer_name=None, tp_group=None, **kwargs):
+        _reject_bias(bias, type(self).__name__)
+        super().__init__(config, input_size,
+                         _row_projection(config, output_size, tp_comm_buffer_name), tp_group)
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+class _NaiveSlot:
+    """Naive slots run attention and the MLP on replicated tensors, so the module that builds
+    them believes TP=1 (its ``tp_group`` has one rank). The bottleneck's own TP group comes
+    from the layer spec as ``bottleneck_tp_group``; without it ``tp_group`` is used (a layer
+    built on its own, as in the layer tests)."""
+
+    @staticmethod
+    def _group(tp_group, bottleneck_tp_group):
+        return bottleneck_tp_group if bottleneck_tp_group is not None else tp_group
+
+
+class NaiveLinearQKV(_QKVMixin, _NaiveSlot, NaiveBottleneckGroup):
+    """naive ``linear_qkv``: replicated [s, b, d] in, replicated fused qkv [s, b, 3d (MHA)] out."""
+
+    def __init__(self, input_size, output_size, *, config, init_method=None,
+                 gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
+                 tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
+        _reject_bias(bias, type(self).__name__)
+        super().__init__(config, input_size,
+                         self._qkv_projections(config, input_size, output_size),
+                         self._group(tp_group, bottleneck_tp_group))
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+class NaiveLinearFC1(_NaiveSlot, NaiveBottleneckGroup):
+    """naive ``linear_fc1``: replicated [s, b, d] in, replicated [s, b, 2f] = [gate; up] out."""
+
+    def __init__(self, input_size, output_size, *, config, init_method=None,
+                 gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
+                 tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
+        _reject_bias(bias, type(self).__name__)
+        super().__init__(config, input_size, _fc1_projections(config, output_size),
+                         self._group(tp_group, bottleneck_tp_group))
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+class NaiveLinearRow(_NaiveSlot, NaiveBottleneckGroup):
+    """naive ``linear_proj`` / ``linear_fc2``: replicated in, replicated [s, b, d] out."""
+
+    def __init__(self, input_size, output_size, *, config, init_method=None, bias=False,
+                 input_is_parallel=True, skip_bias_add=True, is_expert=False,
+                 tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
+        _reject_bias(bias, type(self).__name__)
+        super().__init__(config, input_size,
+                         _row_projection(config, output_size, tp_comm_buffer_name),
+                         self._group(tp_group, bottleneck_tp_group))
+
+    def forward(self, x):
+        return super().forward(x), None
