@@ -1,0 +1,385 @@
+"""The run configuration: YAML sections as dataclasses, strict loading, dotted overrides.
+
+A run file has one top-level key per section (``model``, ``parallel``, ``training``, ``data``,
+``optimizer``, ``logging``, ``checkpoint``). YAML keys equal field names; an unknown key is fatal
+and the error names the key, the section and the file. Command-line overrides use dotted paths:
+``model.attn_rank=64 parallel.tp=2``; values are parsed as YAML scalars (``2``, ``true``,
+``1e-3``, ``[a, b]``). Every field is documented by the string literal under it;
+``configs/reference.yaml`` is the commented reference of all keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import yaml
+
+from megatron_boost.config import BoostTransformerConfig, TPMode
+from megatron_boost.data import DataConfig
+
+__all__ = [
+    "ModelConfig", "ParallelConfig", "TrainingConfig", "OptimizerConfig", "LoggingConfig",
+    "CheckpointConfig", "RunConfig", "load_run_config", "apply_overrides",
+    "to_transformer_config",
+]
+
+
+@dataclass
+class ModelConfig:
+    """Model shape and bottleneck settings (LLaMA-style decoder, CoLA bottlenecks)."""
+
+    num_layers: int = 2
+    """Number of decoder layers."""
+    hidden_size: int = 64
+    """Model width d."""
+    ffn_hidden_size: int = 172
+    """MLP width f (gate and up each project d -> f)."""
+    num_attention_heads: int = 4
+    """Attention heads h."""
+    num_query_groups: Optional[int] = None
+    """Key/value groups g for grouped-query attention; null means g = h (multi-head)."""
+    kv_channels: Optional[int] = None
+    """Head dimension e; null means hidden_size / num_attention_heads."""
+    vocab_size: int = 256
+    """Vocabulary size V (padded by Megatron to a multiple of 128·TP). With a data section
+    that names a tokenizer, the tokenizer's size is used instead."""
+    seq_length: int = 64
+    """Training sequence length (also the maximum position for RoPE)."""
+    attn_rank: Optional[int] = None
+    """Rank of the q, k, v, o bottlenecks. null: rank_ratio · hidden_size."""
+    mlp_rank: Optional[int] = None
+    """Rank of the gate, up, down bottlenecks. null: rank_ratio · hidden_size."""
+    rank_ratio: float = 0.25
+    """Rank as a fraction of hidden_size when attn_rank / mlp_rank are null (CoLA: 1/4)."""
+    bottleneck_activation: str = "silu"
+    """σ inside every bottleneck: silu (CoLA), identity (vanilla low-rank), gelu, relu."""
+    mlp_gate_activation: bool = False
+    """Extra SiLU on the MLP gate branch (CoLA's 60M/130M configs keep it)."""
+    cola_init: bool = True
+    """CoLA init of both factors: randn · r^(-1/4) · (d_in + d_out)^(-1/4)."""
+    init_method_std: float = 0.02
+    """Std of the normal init of full-rank weights and embeddings."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    rotary_base: int = 10000
+    """RoPE base."""
+
+    def resolved_ranks(self) -> tuple:
+        rank = max(1, int(round(self.rank_ratio * self.hidden_size)))
+        return (self.attn_rank or rank, self.mlp_rank or rank)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. World size = tp · pp · dp."""
+
+    mode: str = "boost"
+    """Tensor-parallel mode: full (full-rank baseline), naive (vanilla TP of the bottleneck
+    model), boost (bottleneck-aware TP)."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); null disables interleaving."""
+    dp: Optional[int] = None
+    """Data-parallel size; null derives it from the world size."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (megatron's distributed optimizer)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with backward."""
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, budget, precision, recompute, seed."""
+
+    micro_batch_size: int = 2
+    """Sequences per micro-batch per data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all data-parallel ranks."""
+    train_iters: Optional[int] = 20
+    """Optimizer steps; null when train_tokens sets the budget."""
+    train_tokens: Optional[int] = None
+    """Token budget; converted to iterations with global_batch_size · seq_length."""
+    eval_interval: int = 10
+    """Evaluate on the validation split every this many steps (and at the end)."""
+    eval_iters: int = 2
+    """Validation batches (global batches) per evaluation."""
+    precision: str = "auto"
+    """fp32, bf16, or auto (bf16 on GPU, fp32 on CPU)."""
+    recompute: Optional[str] = None
+    """Activation recompute: null, selective or full (megatron-core)."""
+    seed: int = 1234
+    """Seed of the weight init and the data order."""
+    device: str = "auto"
+    """auto (GPU when usable), cpu (gloo + CPU mode) or cuda."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam with warmup + cosine decay."""
+
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Final learning rate of the cosine decay."""
+    warmup_iters: int = 2
+    """Linear warmup steps."""
+    lr_decay_iters: Optional[int] = None
+    """Steps of cosine decay; null means the training length."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam β1."""
+    adam_beta2: float = 0.95
+    """Adam β2."""
+    adam_eps: float = 1e-8
+    """Adam ε."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, metrics.jsonl and TensorBoard output."""
+
+    run_dir: str = "runs/debug"
+    """Directory for metrics.jsonl, TensorBoard events and (by default) checkpoints."""
+    log_interval: int = 1
+    """Print and record a metrics line every this many steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under <run_dir>/tensorboard (if tensorboard is installed)."""
+    peak_tflops: Optional[float] = None
+    """Peak TFLOP/s per device for MFU; null looks the device up in a table (CPU: none)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """megatron-core dist_checkpointing."""
+
+    save: Optional[str] = None
+    """Checkpoint directory; null means <run_dir>/checkpoints."""
+    save_interval: Optional[int] = None
+    """Save every this many steps (and at the end, and on SIGTERM/SIGUSR1); null: end only."""
+    load: Optional[str] = None
+    """Directory to resume from; null means the save directory (resume if it has one)."""
+    no_load_optim: bool = False
+    """Load weights only (fine-tuning, or a layout change without optimizer state)."""
+
+
+@dataclass
+class RunConfig:
+    """One training run: every section of a YAML run file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape and bottleneck settings."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout and mode."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Batch sizes, budget, precision."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Tokenizer and datasets."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and learning-rate schedule."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Logging."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+
+    def validate(self) -> "RunConfig":
+        TPMode.parse(self.parallel.mode)
+        for name in ("tp", "pp"):
+            if getattr(self.parallel, name) < 1:
+                raise ValueError(f"parallel.{name} ({getattr(self.parallel, name)}) must be >= 1")
+        if self.model.num_layers % self.parallel.pp:
+            raise ValueError(
+                f"model.num_layers ({self.model.num_layers}) must be divisible by parallel.pp "
+                f"({self.parallel.pp}) for an even pipeline split; change either")
+        if self.parallel.vpp:
+            per_stage = self.model.num_layers // self.parallel.pp
+            if self.parallel.pp < 2 or per_stage % self.parallel.vpp:
+                raise ValueError(
+                    f"parallel.vpp ({self.parallel.vpp}) needs parallel.pp >= 2 and must divide "
+                    f"the layers per stage ({per_stage}); set parallel.vpp to null or a divisor")
+        if self.training.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"training.precision ({self.training.precision!r}) must be one of "
+                             f"auto, fp32, bf16")
+        if self.training.recompute not in (None, "selective", "full"):
+            raise ValueError(f"training.recompute ({self.training.recompute!r}) must be null, "
+                             f"selective or full")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# strict loading
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_type(value, tp, where: str):
+    """Accept ``value`` for a field annotated ``tp`` (int/float/str/bool/list, Optional)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (list, List):
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads "1e-4" (no dot) as a string; accept any float literal.
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if tp is int and isinstance(value, bool):
+        raise ValueError(f"{where}: expected an integer, got {value!r}")
+    if tp in (int, str, bool) and not isinstance(value, tp):
+        raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls, values: Dict[str, Any], where: str):
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: expected a mapping of keys to values, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"unknown key '{key}' in {where}; valid keys: {sorted(known)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{where}.{key}")
+        else:
+            kwargs[key] = _check_type(value, tp, f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+    """Apply ``section.key=value`` overrides to a raw YAML mapping (values parsed as YAML)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override '{item}' must look like section.key=value "
+                             f"(e.g. parallel.tp=2)")
+        path, text = item.split("=", 1)
+        keys = path.strip().split(".")
+        if len(keys) < 2 or not all(keys):
+            raise ValueError(f"override '{item}': the key must be dotted, section.key "
+                             f"(e.g. model.attn_rank=64)")
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override '{item}': '{k}' is not a section")
+        node[keys[-1]] = yaml.safe_load(text) if text.strip() else None
+    return raw
+
+
+def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML run file (or defaults when ``path`` is None), apply overrides, validate."""
+    raw: Dict[str, Any] = {}
+    where = "overrides"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file '{path}' does not exist")
+        raw = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file '{path}' must hold a mapping of sections")
+        where = f"'{path}'"
+    raw = apply_overrides(raw, overrides)
+    cfg = RunConfig()
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    for section, values in raw.items():
+        if section not in known:
+            raise ValueError(f"unknown section '{section}' in {where}; valid sections: "
+                             f"{sorted(known)}")
+        setattr(cfg, section, _build(type(getattr(cfg, section)), values,
+                                     f"section '{section}' of {where}"))
+    return cfg.validate()
+
+
+def to_transformer_config(cfg: RunConfig, params_dtype: torch.dtype = torch.float32,
+                          **extra) -> BoostTransformerConfig:
+    """The megatron-core config (with the bottleneck fields) of a run."""
+    m, par = cfg.model, cfg.parallel
+    mode = TPMode.parse(par.mode)
+    attn_rank, mlp_rank = m.resolved_ranks() if mode.is_lowrank else (None, None)
+    recompute = cfg.training.recompute
+    kwargs = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels, tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp, tp_mode=mode, attn_rank=attn_rank,
+        mlp_rank=mlp_rank, bottleneck_activation=m.bottleneck_activation,
+        mlp_gate_activation=m.mlp_gate_activation, cola_init=m.cola_init,
+        init_method_std=m.init_method_std, layernorm_epsilon=m.norm_epsilon,
+        normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, use_cpu_initialization=True,
+        recompute_granularity=recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
+    )
+    kwargs.update(extra)
+    return BoostTransformerConfig(**kwargs)
+
+
+def field_docs(cls) -> Dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def reference_yaml() -> str:
+    """A commented YAML file with every section, key, default and its documentation."""
+    import textwrap
+
+    lines = ["# megatron-boost run configuration: every key, its default and its meaning.",
+             "# Generated by `python -m megatron_boost.arguments`; do not edit by hand.", ""]
+    defaults = RunConfig()
+    for section in dataclasses.fields(RunConfig):
+        obj = getattr(defaults, section.name)
+        lines.append(f"{section.name}:")
+        docs = field_docs(type(obj))
+        for f in dataclasses.fields(obj):
+            for doc_line in textwrap.wrap(docs.get(f.name, ""), 92):
+                lines.append(f"  # {doc_line}")
+            value = yaml.safe_dump(getattr(obj, f.name), default_flow_style=True).strip()
+            value = value.removesuffix("\n...").removesuffix("...").strip()
+            lines.append(f"  {f.name}: {value}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_yaml(), end="")

@@ -1,0 +1,112 @@
+"""Configuration: validation rules (one test each), strict YAML loading, dotted overrides."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_boost.arguments import load_run_config, reference_yaml, to_transformer_config
+from megatron_boost.config import BoostTransformerConfig, TPMode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cfg(**kw):
+    base = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                tensor_model_parallel_size=2, tp_mode="boost", attn_rank=16, mlp_rank=16,
+                add_bias_linear=False)
+    base.update(kw)
+    return BoostTransformerConfig(**base)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(tp_mode="naive", attn_rank=18, tensor_model_parallel_size=4),
+     "attn_rank (18) must be divisible by tensor_model_parallel_size (4)"),
+    (dict(tp_mode="naive", mlp_rank=10, tensor_model_parallel_size=4),
+     "mlp_rank (10) must be divisible by tensor_model_parallel_size (4)"),
+    (dict(num_attention_heads=6, hidden_size=96, tensor_model_parallel_size=4),
+     "num_attention_heads (6) must be divisible by tensor_model_parallel_size (4)"),
+    (dict(num_query_groups=2, tensor_model_parallel_size=4),
+     "num_query_groups (2) must be divisible by tensor_model_parallel_size (4)"),
+    (dict(hidden_size=66, num_attention_heads=2, kv_channels=32, tensor_model_parallel_size=4),
+     "hidden_size (66) must be divisible by tensor_model_parallel_size (4)"),
+    (dict(ffn_hidden_size=130, tensor_model_parallel_size=4),
+     "ffn_hidden_size (130) must be divisible by tensor_model_parallel_size (4)"),
+    (dict(bottleneck_activation="swish2"), "bottleneck_activation ('swish2') is unknown"),
+    (dict(attn_rank=None), "attn_rank (None) must be a positive integer"),
+    (dict(mlp_rank=0), "mlp_rank (0) must be a positive integer"),
+    (dict(attn_rank=128), "attn_rank (128) must not exceed hidden_size (64)"),
+    (dict(tp_mode="sideways"), "tp_mode ('sideways') must be one of"),
+])
+def test_bad_values_raise_value_error_with_numbers(kw, needle):
+    with pytest.raises(ValueError) as err:
+        cfg(**kw)
+    assert needle in str(err.value)
+
+
+def test_valid_configs_per_mode():
+    assert cfg().tp_mode is TPMode.BOOST
+    # naive does not shard d, so an odd hidden shard is fine as long as the ranks divide.
+    assert cfg(tp_mode="naive", tensor_model_parallel_size=2).tp_mode is TPMode.NAIVE
+    full = cfg(tp_mode="full", attn_rank=None, mlp_rank=None)
+    assert full.tp_mode is TPMode.FULL
+
+
+def test_debug_yaml_loads_and_overrides_apply():
+    c = load_run_config(str(ROOT / "configs/debug.yaml"),
+                        ["model.attn_rank=8", "parallel.tp=2", "parallel.mode=naive",
+                         "optimizer.lr=1e-4", "data.data_path=[a, b]"])
+    assert c.model.attn_rank == 8 and c.parallel.tp == 2 and c.parallel.mode == "naive"
+    assert c.optimizer.lr == 1e-4 and c.data.data_path == ["a", "b"]
+    tc = to_transformer_config(c)
+    assert tc.attn_rank == 8 and tc.tensor_model_parallel_size == 2
+
+
+def test_unknown_key_names_key_section_and_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model:\n  hidden_size: 64\n  hiden_layers: 3\n")
+    with pytest.raises(ValueError) as err:
+        load_run_config(str(p))
+    msg = str(err.value)
+    assert "hiden_layers" in msg and "model" in msg and str(p) in msg
+
+
+def test_unknown_section_is_fatal(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("modle:\n  hidden_size: 64\n")
+    with pytest.raises(ValueError, match="unknown section 'modle'"):
+        load_run_config(str(p))
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("parallel.tp", "must look like section.key=value"),
+    ("tp=2", "must be dotted"),
+    ("parallel.tpp=2", "unknown key 'tpp'"),
+    ("model.hidden_size=abc", "expected int"),
+])
+def test_bad_overrides(override, needle):
+    with pytest.raises(ValueError) as err:
+        load_run_config(str(ROOT / "configs/debug.yaml"), [override])
+    assert needle in str(err.value)
+
+
+def test_run_level_rules():
+    with pytest.raises(ValueError, match=r"num_layers \(2\) must be divisible by parallel.pp"):
+        load_run_config(None, ["parallel.pp=4"])
+    with pytest.raises(ValueError, match=r"parallel.vpp \(2\) needs parallel.pp >= 2"):
+        load_run_config(None, ["parallel.vpp=2"])
+    with pytest.raises(ValueError, match="training.precision"):
+        load_run_config(None, ["training.precision=fp8"])
+    with pytest.raises(ValueError, match="does not exist"):
+        load_run_config("no/such/file.yaml")
+
+
+def test_shipped_configs_load():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        c = load_run_config(str(path))
+        to_transformer_config(c)
+
+
+def test_reference_yaml_is_current():
+    assert (ROOT / "configs/reference.yaml").read_text() == reference_yaml(), (
+        "configs/reference.yaml is stale: python -m megatron_boost.arguments > "
+        "configs/reference.yaml")
