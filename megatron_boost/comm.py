@@ -104,8 +104,10 @@ class _GatherHidden(torch.autograd.Function):
         ctx.group = group
         t = _size(group)
         x = x.contiguous()
-        out = torch.empty((t,) + tuple(x.shape), dtype=x.dtype, device=x.device)  # [t, s, b, d/t]
+        out = torch.empty((t * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
+                          device=x.device)  # [t·s, b, d/t]: shards concatenated along dim 0
         _mcore_mappings.dist_all_gather_func(out, x, group=group)
+        out = out.view(t, *x.shape)  # [t, s, b, d/t]
         # [t, s, b, d/t] -> [s, b, t, d/t] -> [s, b, d]
         return out.movedim(0, -2).reshape(*x.shape[:-1], t * x.shape[-1])
 

@@ -8,6 +8,7 @@ test with that worker's traceback. ``fn`` must be a module-level function (pickl
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -34,7 +35,11 @@ def _worker(rank, world_size, port, fn, args, queue):
         use_cpu(force=True)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Serialised to bytes: tensors put on the queue directly are shared through file
+        # descriptors that vanish when this process exits.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # report every failure, including assertion errors
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -62,7 +67,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # the others may now hang in a collective; stop waiting for them

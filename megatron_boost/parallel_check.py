@@ -1,0 +1,193 @@
+"""Is a parallel layout the same function as one process? (DESIGN.md section 3)
+
+:func:`run_layout` runs in every rank of a layout: it builds the model of the given mode from one
+seed (layout-independent initialisation, so every layout holds the same global weights), runs
+one global batch through megatron-core's pipeline schedule, DDP and optimizer, and either
+returns the global gradients and updated parameters (the one-process reference, world size 1)
+or compares its own loss, every gradient shard and every updated parameter shard with the
+reference's matching slice.
+
+Used by the test suite and by ``tools/verify_parallel.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LayoutSpec", "run_layout", "TOLERANCES"]
+
+# fp32 tolerances. The layouts compute the same sums in different orders (split GEMMs,
+# all-reduce order, micro-batch accumulation), so results agree to fp32 rounding through two
+# layers, attention, the head and the loss: observed ≤ ~1e-6 relative. Any sharding error is
+# O(1). Gradients and parameter updates are compared per tensor, relative to the tensor's
+# largest reference magnitude.
+TOLERANCES = {"loss": 1e-5, "grad": 1e-4, "update": 1e-3, "grad_norm": 1e-5}
+
+
+@dataclass
+class LayoutSpec:
+    """One layout to check (plain data, picklable for spawned workers)."""
+
+    mode: str = "boost"
+    """full, naive or boost."""
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    model: Dict = field(default_factory=dict)
+    """Overrides of the model section (ModelConfig field names)."""
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    seed: int = 1234
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    step: bool = True
+    """Also take one Adam step (clipping on) and compare the updated parameters."""
+    corrupt: bool = False
+    """Negative control: perturb one parameter shard before running."""
+
+
+def _model_config(spec: LayoutSpec):
+    from megatron_boost.arguments import RunConfig, ModelConfig, to_transformer_config
+
+    cfg = RunConfig()
+    cfg.model = ModelConfig(**{**asdict(ModelConfig()), **spec.model})
+    cfg.model.seq_length = spec.seq_length
+    cfg.parallel.mode, cfg.parallel.tp, cfg.parallel.pp = spec.mode, spec.tp, spec.pp
+    cfg.parallel.vpp = spec.vpp
+    cfg.validate()
+    return cfg, to_transformer_config(cfg)
+
+
+def _batches(spec: LayoutSpec, vocab: int, dp: int, dp_rank: int):
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    tokens = torch.randint(0, vocab, (spec.global_batch_size, spec.seq_length + 1), generator=g)
+    per_dp = spec.global_batch_size // dp
+    mine = tokens[dp_rank * per_dp:(dp_rank + 1) * per_dp]
+    micro = []
+    for i in range(0, per_dp, spec.micro_batch_size):
+        t = mine[i:i + spec.micro_batch_size]
+        micro.append({
+            "tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous(),
+            "loss_mask": torch.ones(t.shape[0], spec.seq_length),
+            "position_ids": torch.arange(spec.seq_length).expand(t.shape[0], -1).contiguous(),
+        })
+    return micro
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict] = None):
+    """Run ``spec`` on this rank. Without ``reference``: return the reference data (world 1).
+    With it: return the worst relative differences against it."""
+    from megatron.core import parallel_state
+
+    from megatron_boost.model import padded_vocab_size, sharded_params
+    from megatron_boost.training import (build_ddp_model, build_optimizer, initialize_parallel,
+                                         make_forward_step, train_step)
+
+    cfg, config = _model_config(spec)
+    dp = initialize_parallel(spec.tp, spec.pp, spec.vpp, spec.seed)
+    if spec.global_batch_size % (spec.micro_batch_size * dp):
+        raise ValueError(f"global_batch_size ({spec.global_batch_size}) must be divisible by "
+                         f"micro_batch_size·dp ({spec.micro_batch_size}·{dp})")
+    vocab = padded_vocab_size(cfg.model.vocab_size, spec.tp)
+    ddp = build_ddp_model(config, vocab, spec.seq_length, spec.seed,
+                          overlap_grad_reduce=spec.overlap_grad_reduce,
+                          use_distributed_optimizer=spec.use_distributed_optimizer)
+    # Large Adam ε keeps the first update a smooth function of the gradient (g / (|g| + ε)),
+    # so fp32 rounding in tiny gradients cannot flip an update's sign; a small clip threshold
+    # makes the update depend on the true global gradient norm.
+    optimizer = build_optimizer(config, ddp, lr=1e-2, min_lr=1e-3, weight_decay=0.1,
+                                adam_eps=1e-3, clip_grad=0.05,
+                                use_distributed_optimizer=spec.use_distributed_optimizer)
+    entries = [e for m in ddp for e in sharded_params(m.module)]
+    if spec.corrupt:
+        # Negative control: swap two rows of one sharded matrix on this rank.
+        key, _, _, param = next(e for e in entries if e[3].dim() == 2 and e[3].shape[0] > 1)
+        with torch.no_grad():
+            param[[0, 1]] = param[[1, 0]]
+    before = {key: param.detach().clone() for key, _, _, param in entries}
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    micro = _batches(spec, cfg.model.vocab_size, dp, dp_rank)
+    iterators = [iter(list(micro)) for _ in ddp]
+    forward_step = make_forward_step(next)
+    result = train_step(forward_step, iterators, ddp, optimizer, len(micro), spec.seq_length,
+                        spec.micro_batch_size)
+    grads = {key: param.main_grad.detach().clone() for key, _, _, param in entries}
+    after = {key: param.detach().clone() for key, _, _, param in entries}
+
+    if reference is None:
+        if world != 1:
+            raise ValueError("the reference runs in one process (world size 1)")
+        return {"loss": result["loss"], "grad_norm": result["grad_norm"], "grads": grads,
+                "updates": {k: after[k] - before[k] for k in after}}
+
+    out = {"loss": None, "grad": 0.0, "update": 0.0, "grad_norm": 0.0, "n_tensors": 0,
+           "worst_grad_key": None}
+    if result["loss"] is not None:
+        out["loss"] = abs(result["loss"] - reference["loss"]) / abs(reference["loss"])
+    out["grad_norm"] = abs(result["grad_norm"] - reference["grad_norm"]) / reference["grad_norm"]
+    for key, _, slicer, param in entries:
+        if key not in reference["grads"]:
+            raise KeyError(f"parameter {key} has no counterpart in the reference model")
+        out["n_tensors"] += 1
+        if not spec.use_distributed_optimizer:
+            # With the distributed optimizer each DP rank holds only its shard of the reduced
+            # gradient buffer; the updated parameters (all-gathered) are compared instead.
+            e = _rel(grads[key], slicer(reference["grads"][key]))
+            if e > out["grad"]:
+                out["grad"], out["worst_grad_key"] = e, key
+        e = _rel(after[key] - before[key], slicer(reference["updates"][key]))
+        out["update"] = max(out["update"], e)
+    return out
+
+
+def reference_spec(spec: LayoutSpec) -> LayoutSpec:
+    """The one-process counterpart of a layout: same model and batch, TP = PP = DP = 1.
+    Bottleneck layouts (naive, boost) are all checked against the one-process naive model,
+    whose norms and attention are megatron-core's own modules."""
+    return LayoutSpec(mode="full" if spec.mode == "full" else "naive", tp=1, pp=1, vpp=None,
+                      model=dict(spec.model), seq_length=spec.seq_length,
+                      micro_batch_size=spec.micro_batch_size,
+                      global_batch_size=spec.global_batch_size, seed=spec.seed)
+
+
+def run_many(rank: int, world: int, jobs):
+    """Run several (spec, reference) jobs in one set of processes, one after the other."""
+    from megatron.core import parallel_state
+
+    out = []
+    for spec, reference in jobs:
+        out.append(run_layout(rank, world, spec, reference))
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def model_collectives(rank: int, world: int, spec: LayoutSpec):
+    """The TP collectives of one forward and backward of the whole model (TP = world size):
+    a list of (direction, kind, width, numel) in issue order."""
+    from megatron.core import parallel_state
+
+    from megatron_boost import comm
+    from megatron_boost.model import padded_vocab_size
+    from megatron_boost.training import build_ddp_model, initialize_parallel
+
+    cfg, config = _model_config(spec)
+    initialize_parallel(spec.tp, 1, None, spec.seed)
+    vocab = padded_vocab_size(cfg.model.vocab_size, spec.tp)
+    model = build_ddp_model(config, vocab, spec.seq_length, spec.seed)[0]
+    batch = _batches(spec, cfg.model.vocab_size, 1, 0)[0]
+    with comm.record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
+        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        out.float().mean().backward()
+    parallel_state.destroy_model_parallel()
+    return [(r.direction, r.kind, r.width, r.numel) for r in log.records]

@@ -1,0 +1,167 @@
+"""Training-step pieces on megatron-core: parallel state, DDP, optimizer, forward step.
+
+megatron-core ships no training loop. These functions wire its DistributedDataParallel, optimizer
+and pipeline schedules together correctly (MEGATRON_NOTES.md, "Training-loop wiring"):
+``finalize_model_grads_func`` is always set (without it there is NO data-parallel gradient
+all-reduce), ``no_sync_func`` / ``grad_sync_func`` with overlapped reduction, ``grad_scale_func``,
+and losses reported as detached clones (the schedules divide the loss in place).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megatron_boost.config import BoostTransformerConfig
+from megatron_boost.model import build_model, init_global_weights, schedule_seq_length
+
+__all__ = [
+    "initialize_parallel", "build_ddp_model", "build_optimizer", "make_forward_step",
+    "train_step", "eval_step",
+]
+
+
+def initialize_parallel(tp: int, pp: int, vpp: Optional[int], seed: int) -> int:
+    """Create megatron's process groups (torch.distributed must be initialised) and seed the
+    tensor-parallel RNG tracker. Returns the data-parallel size."""
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size ({world}) must be divisible by tp·pp ({tp}·{pp} = "
+                         f"{tp * pp}); launch a multiple of {tp * pp} processes")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp)
+    model_parallel_cuda_manual_seed(seed)
+    return parallel_state.get_data_parallel_world_size()
+
+
+def build_ddp_model(config: BoostTransformerConfig, vocab_size: int, seq_length: int,
+                    seed: int, overlap_grad_reduce: bool = False,
+                    use_distributed_optimizer: bool = False,
+                    rotary_base: int = 10000) -> List[DistributedDataParallel]:
+    """Build this rank's model chunks, initialise them layout-independently from ``seed``
+    and wrap each in megatron's DDP (fp32 gradient buffers)."""
+    chunks = build_model(config, vocab_size, seq_length, rotary_base=rotary_base)
+    init_global_weights(chunks, seed, config)
+    if torch.cuda.is_available():
+        chunks = [c.cuda() for c in chunks]
+    if config.bf16:
+        from megatron.core.transformer.module import Float16Module
+        chunks = [Float16Module(config, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer)
+    ddp = [DistributedDataParallel(config, ddp_config, c,
+                                   disable_bucketing=(i > 0))
+           for i, c in enumerate(chunks)]
+    for m in ddp:
+        m.broadcast_params()  # identical replicas across DP (they already are; cheap check)
+    # Without this megatron-core issues no data-parallel gradient all-reduce at all.
+    config.finalize_model_grads_func = finalize_model_grads
+    if overlap_grad_reduce:
+        config.no_sync_func = [m.no_sync for m in ddp]
+        config.grad_sync_func = [m.start_grad_sync for m in ddp]
+        if len(ddp) == 1:
+            config.no_sync_func = config.no_sync_func[0]
+            config.grad_sync_func = config.grad_sync_func[0]
+    return ddp
+
+
+def build_optimizer(config: BoostTransformerConfig, ddp_chunks, *, lr: float, min_lr: float,
+                    weight_decay: float, adam_beta1: float = 0.9, adam_beta2: float = 0.95,
+                    adam_eps: float = 1e-8, clip_grad: float = 1.0,
+                    use_distributed_optimizer: bool = False):
+    """megatron-core's Adam (decoupled weight decay) with global-norm clipping."""
+    opt_config = McoreOptimizerConfig(
+        optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay,
+        adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad,
+        bf16=config.bf16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
+    config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss of one micro-batch. The schedules divide the returned loss in place by
+    the number of micro-batches, so the reported value is a detached clone."""
+    losses = output_tensor.float()  # [b, s]
+    mask = loss_mask.float()
+    loss = (losses * mask).sum() / mask.sum().clamp_min(1.0)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def make_forward_step(get_batch: Callable[[Iterator], dict]):
+    """A megatron forward_step_func; ``get_batch(iterator)`` returns tokens, labels,
+    loss_mask, position_ids ([b, s] tensors)."""
+
+    def forward_step(data_iterator, model):
+        batch = get_batch(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(_loss_func, batch["loss_mask"])
+
+    return forward_step
+
+
+def _run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches: int,
+                  seq_length: int, micro_batch_size: int, forward_only: bool):
+    config = ddp_chunks[0].config
+    iters = data_iterators if len(ddp_chunks) > 1 else data_iterators[0]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iters, model=ddp_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=schedule_seq_length(config, seq_length),
+        micro_batch_size=micro_batch_size, forward_only=forward_only)
+
+
+def _mean_loss(losses) -> Optional[float]:
+    """Mean micro-batch loss over this DP rank, averaged over DP; None off the last stage."""
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    local = torch.stack([l["lm loss"] for l in losses]).mean()
+    dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
+    return float(local) / parallel_state.get_data_parallel_world_size()
+
+
+def train_step(forward_step, data_iterators, ddp_chunks, optimizer, num_microbatches: int,
+               seq_length: int, micro_batch_size: int, opt_param_scheduler=None,
+               increment: Optional[int] = None) -> dict:
+    """One optimizer step over ``num_microbatches`` micro-batches per DP rank.
+
+    Returns loss (mean over the global batch; None off the last pipeline stage), grad_norm and
+    whether the update was applied."""
+    for m in ddp_chunks:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = _run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches,
+                           seq_length, micro_batch_size, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    if ok and opt_param_scheduler is not None:
+        opt_param_scheduler.step(increment=increment)
+    return {"loss": _mean_loss(losses), "grad_norm": None if grad_norm is None
+            else float(grad_norm), "update_successful": bool(ok)}
+
+
+def eval_step(forward_step, data_iterators, ddp_chunks, num_microbatches: int,
+              seq_length: int, micro_batch_size: int) -> Optional[float]:
+    """Forward-only pass; mean loss over the global batch (None off the last stage)."""
+    for m in ddp_chunks:
+        m.eval()
+    try:
+        with torch.no_grad():
+            losses = _run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches,
+                                   seq_length, micro_batch_size, forward_only=True)
+    finally:
+        for m in ddp_chunks:
+            m.train()
+    return _mean_loss(losses)

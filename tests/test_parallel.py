@@ -1,0 +1,179 @@
+"""3D parallelism (TP × PP × DP) of the whole model equals one process, in every mode.
+
+For each layout: the same global weights (layout-independent init from one seed), the same
+global batch split over DP ranks and micro-batches, megatron-core's schedule, DDP and Adam with
+clipping. Checked against the one-process model (bottleneck modes against the one-process naive
+model, full against the one-process full-rank model): the loss, every gradient shard against
+the matching slice of the one-process gradient (except with the distributed optimizer, where
+each DP rank holds only its shard of the reduced buffer), the global gradient norm, and every
+parameter after one optimizer step. Tolerances: megatron_boost.parallel_check.TOLERANCES.
+
+Layouts are grouped by world size so that one set of processes runs several of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_boost.parallel_check import (
+    TOLERANCES,
+    LayoutSpec,
+    model_collectives,
+    reference_spec,
+    run_layout,
+    run_many,
+)
+from tests.dist_utils import run_distributed
+
+MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=8,
+             num_query_groups=4, vocab_size=100, attn_rank=8, mlp_rank=8)
+MODEL4 = dict(MODEL, num_layers=4)  # interleaved pipelines need layers per virtual stage
+
+
+def L(mode, tp=1, pp=1, vpp=None, model=MODEL, **kw):
+    return LayoutSpec(mode=mode, tp=tp, pp=pp, vpp=vpp, model=dict(model), **kw)
+
+
+# (id, world size, spec)
+LAYOUTS = [
+    ("boost-tp2", 2, L("boost", tp=2)),
+    ("naive-tp2", 2, L("naive", tp=2)),
+    ("full-tp2", 2, L("full", tp=2)),
+    ("boost-pp2", 2, L("boost", pp=2)),
+    ("boost-dp2", 2, L("boost")),
+    ("boost-pp2-vpp2", 2, L("boost", pp=2, vpp=2, model=MODEL4)),
+    ("naive-pp2-vpp2", 2, L("naive", pp=2, vpp=2, model=MODEL4)),
+    ("full-pp2-vpp2", 2, L("full", pp=2, vpp=2, model=MODEL4)),
+    ("boost-tp4", 4, L("boost", tp=4)),
+    ("naive-tp4", 4, L("naive", tp=4)),
+    ("full-tp4", 4, L("full", tp=4)),
+    ("boost-tp2-pp2", 4, L("boost", tp=2, pp=2)),
+    ("naive-tp2-pp2", 4, L("naive", tp=2, pp=2)),
+    ("full-tp2-pp2", 4, L("full", tp=2, pp=2)),
+    ("boost-tp2-dp2", 4, L("boost", tp=2)),
+    ("naive-tp2-dp2", 4, L("naive", tp=2)),
+    ("full-tp2-dp2", 4, L("full", tp=2)),
+    ("boost-pp2-dp2", 4, L("boost", pp=2)),
+    ("boost-tp2-pp2-vpp2", 4, L("boost", tp=2, pp=2, vpp=2, model=MODEL4)),
+    # Distributed optimizer and overlapped gradient reduction (updates compared).
+    ("boost-tp2-dp2-distopt-overlap", 4,
+     L("boost", tp=2, use_distributed_optimizer=True, overlap_grad_reduce=True)),
+    ("naive-tp2-dp2-distopt", 4, L("naive", tp=2, use_distributed_optimizer=True)),
+    ("full-tp2-dp2-distopt", 4, L("full", tp=2, use_distributed_optimizer=True)),
+    ("boost-dp2-distopt", 2, L("boost", use_distributed_optimizer=True)),
+    # Negative controls: one parameter shard corrupted on every rank.
+    ("NEG-boost-tp2", 2, L("boost", tp=2, corrupt=True)),
+    ("NEG-naive-tp2-pp2", 4, L("naive", tp=2, pp=2, corrupt=True)),
+]
+
+
+def _ref_key(spec: LayoutSpec):
+    r = reference_spec(spec)
+    return (r.mode, tuple(sorted(r.model.items())))
+
+
+@pytest.fixture(scope="module")
+def results():
+    refs_needed = {}
+    for _, _, spec in LAYOUTS:
+        refs_needed.setdefault(_ref_key(spec), reference_spec(spec))
+    # The one-process references, plus boost at TP=1 against naive at TP=1.
+    ref_specs = list(refs_needed.values())
+    ref_out = run_distributed(run_many, 1, [(s, None) for s in ref_specs])[0]
+    refs = dict(zip(refs_needed.keys(), ref_out))
+    out = {}
+    for world in (2, 4):
+        layouts = [(name, spec) for name, w, spec in LAYOUTS if w == world]
+        jobs = [(spec, refs[_ref_key(spec)]) for _, spec in layouts]
+        per_rank = run_distributed(run_many, world, jobs, timeout=600)
+        for i, (name, _) in enumerate(layouts):
+            out[name] = [rank_results[i] for rank_results in per_rank]
+    boost1 = L("boost")
+    out["boost-tp1-vs-naive-tp1"] = run_distributed(
+        run_layout, 1, boost1, refs[_ref_key(boost1)])
+    return out
+
+
+def _worst(per_rank, field):
+    values = [r[field] for r in per_rank if r[field] is not None]
+    return max(values) if values else None
+
+
+@pytest.mark.parametrize("name", [n for n, _, _ in LAYOUTS if not n.startswith("NEG")]
+                         + ["boost-tp1-vs-naive-tp1"])
+def test_layout_equals_one_process(results, name):
+    per_rank = results[name]
+    loss = _worst(per_rank, "loss")
+    assert loss is not None, "no rank reported a loss"
+    assert loss <= TOLERANCES["loss"], f"loss rel diff {loss}"
+    grad = _worst(per_rank, "grad")
+    worst_key = max(per_rank, key=lambda r: r["grad"])["worst_grad_key"]
+    assert grad <= TOLERANCES["grad"], f"grad rel diff {grad} at {worst_key}"
+    assert _worst(per_rank, "grad_norm") <= TOLERANCES["grad_norm"]
+    assert _worst(per_rank, "update") <= TOLERANCES["update"]
+    assert all(r["n_tensors"] > 0 for r in per_rank)
+
+
+@pytest.mark.parametrize("name", [n for n, _, _ in LAYOUTS if n.startswith("NEG")])
+def test_negative_control_is_caught(results, name):
+    per_rank = results[name]
+    worst = max(max(r["grad"], r["update"]) for r in per_rank)
+    assert worst > 100 * TOLERANCES["grad"]
+
+
+# ---------------------------------------------------------------------------------------------
+# collectives of the whole model at TP=2
+# ---------------------------------------------------------------------------------------------
+
+S, MB = 16, 2
+D, F, R = MODEL["hidden_size"], MODEL["ffn_hidden_size"], MODEL["attn_rank"]
+HN = D // MODEL["num_attention_heads"]
+QKV = D + 2 * MODEL["num_query_groups"] * HN
+
+
+@pytest.fixture(scope="module")
+def collectives():
+    return {mode: run_distributed(model_collectives, 2, L(mode, tp=2))[0]
+            for mode in ("full", "naive", "boost")}
+
+
+def _split(records):
+    """Per-token activation collectives (numel = tokens · width) vs the loss's small ones."""
+    tokens = S * MB
+    act = [(d, k, w) for d, k, w, n in records if n == tokens * w and w > MB]
+    other = [(d, k, w, n) for d, k, w, n in records if not (n == tokens * w and w > MB)]
+    return act, other
+
+
+def test_boost_model_collectives(collectives):
+    act, other = _split(collectives["boost"])
+    layers = MODEL["num_layers"]
+    fwd = [w for d, k, w in act if d == "fwd" and k == "all_reduce"]
+    bwd = [w for d, k, w in act if d == "bwd" and k == "all_reduce"]
+    # Per layer: qkv (3 A's + the fused sum of squares), o, gate+up (+1), down. No embedding
+    # all-reduce: the table is sharded along d.
+    assert fwd == [3 * R + 1, R, 2 * R + 1, R] * layers
+    gathers = [w for d, k, w in act if k == "all_gather"]
+    assert gathers == [D], "exactly one d-wide all-gather, at the head"
+    # Backward: the same bottlenecks in reverse order, r-wide, and the output layer's
+    # input-gradient all-reduce (megatron's vocab-parallel head).
+    assert sorted(bwd) == sorted([3 * R, R, 2 * R, R] * layers + [D])
+    assert max(fwd + bwd) <= D
+    assert all(k == "all_reduce" for _, k, _, _ in other)  # vocab-parallel cross entropy
+
+
+def test_naive_model_collectives(collectives):
+    act, _ = _split(collectives["naive"])
+    layers = MODEL["num_layers"]
+    fwd = [w for d, k, w in act if d == "fwd"]
+    bwd = [w for d, k, w in act if d == "bwd"]
+    # The embedding's vocab-parallel all-reduce, then per layer qkv, o, gate+up, down.
+    assert fwd == [D] + [QKV, D, 2 * F, D] * layers
+    assert sorted(bwd) == sorted([D, D, D, F] * layers + [D])
+
+
+def test_full_model_collectives(collectives):
+    act, _ = _split(collectives["full"])
+    layers = MODEL["num_layers"]
+    assert [w for d, k, w in act if d == "fwd"] == [D] + [D, D] * layers
+    assert sorted(w for d, k, w in act if d == "bwd") == [D] * (2 * layers + 1)
