@@ -51,7 +51,8 @@ class LayoutSpec:
     """Negative control: perturb one parameter shard before running."""
 
 
-def _model_config(spec: LayoutSpec):
+def model_config(spec: LayoutSpec):
+    """(RunConfig, BoostTransformerConfig) of a layout; raises ValueError for a bad one."""
     from megatron_boost.arguments import RunConfig, ModelConfig, to_transformer_config
 
     cfg = RunConfig()
@@ -93,7 +94,7 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
     from megatron_boost.training import (build_ddp_model, build_optimizer, initialize_parallel,
                                          make_forward_step, train_step)
 
-    cfg, config = _model_config(spec)
+    cfg, config = model_config(spec)
     dp = initialize_parallel(spec.tp, spec.pp, spec.vpp, spec.seed)
     if spec.global_batch_size % (spec.micro_batch_size * dp):
         raise ValueError(f"global_batch_size ({spec.global_batch_size}) must be divisible by "
@@ -181,7 +182,7 @@ def model_collectives(rank: int, world: int, spec: LayoutSpec):
     from megatron_boost.model import padded_vocab_size
     from megatron_boost.training import build_ddp_model, initialize_parallel
 
-    cfg, config = _model_config(spec)
+    cfg, config = model_config(spec)
     initialize_parallel(spec.tp, 1, None, spec.seed)
     vocab = padded_vocab_size(cfg.model.vocab_size, spec.tp)
     model = build_ddp_model(config, vocab, spec.seq_length, spec.seed)[0]

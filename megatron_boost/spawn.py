@@ -1,0 +1,82 @@
+"""Spawn gloo worker processes on localhost (tests and tools/verify_parallel.py).
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, initialises a gloo
+process group in each, activates megatron-boost's CPU mode, runs ``fn(rank, world_size, *args)``
+and returns the list of per-rank return values. An exception in any worker is re-raised in the
+caller with that worker's traceback. ``fn`` must be a module-level function (picklable).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # One thread per worker: the test machine has two cores and up to four workers.
+    torch.set_num_threads(1)
+    try:
+        from megatron_boost.cpu_mode import use_cpu
+
+        use_cpu(force=True)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # Serialised to bytes: tensors put on the queue directly are shared through file
+        # descriptors that vanish when this process exits.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # report every failure, including assertion errors
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break  # the others may now hang in a collective; stop waiting for them
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
