@@ -4,6 +4,30 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh
+# Slurm for tests/test_slurm.py: a real scheduler on this machine (those tests skip without it).
+# Installed only as root on Debian-like machines; a failed install warns and carries on.
+slurm_missing=0
+for t in slurmctld slurmd munged sbatch srun scontrol; do
+  PATH="$PATH:/usr/sbin:/sbin" command -v "$t" >/dev/null 2>&1 || slurm_missing=1
+done
+if [ "$slurm_missing" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "Installing Slurm (slurmctld slurmd slurm-client munge) for tests/test_slurm.py ..."
+  slurm_pkgs="slurmctld slurmd slurm-client munge"
+  policy_rc_added=0  # keep the packages' init scripts from starting system daemons
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d \
+      && policy_rc_added=1
+  fi
+  if { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $slurm_pkgs \
+       || { apt-get update -qq \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+               $slurm_pkgs; }; } > /tmp/slurm-install.log 2>&1; then
+    echo "Slurm installed."
+  else
+    echo "WARNING: Slurm install failed (see /tmp/slurm-install.log); Slurm tests will skip."
+  fi
+  if [ "$policy_rc_added" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+fi
 # shellcheck disable=SC1091
 . "${VENV:-.venv}/bin/activate"
 python -m pytest -q "$@"
