@@ -114,7 +114,8 @@ class TrainingConfig:
     precision: str = "auto"
     """fp32, bf16, or auto (bf16 on GPU, fp32 on CPU)."""
     recompute: Optional[str] = None
-    """Activation recompute: null, selective or full (megatron-core)."""
+    """Activation recompute: null; selective or full (megatron-core's); lowrank (BOOST's
+    low-rank activation checkpointing: naive and boost modes, no collective re-run)."""
     seed: int = 1234
     """Seed of the weight init and the data order."""
     device: str = "auto"
@@ -210,9 +211,9 @@ class RunConfig:
         if self.training.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"training.precision ({self.training.precision!r}) must be one of "
                              f"auto, fp32, bf16")
-        if self.training.recompute not in (None, "selective", "full"):
+        if self.training.recompute not in (None, "selective", "full", "lowrank"):
             raise ValueError(f"training.recompute ({self.training.recompute!r}) must be null, "
-                             f"selective or full")
+                             f"selective, full or lowrank")
         return self
 
 
@@ -318,7 +319,8 @@ def to_transformer_config(cfg: RunConfig, params_dtype: torch.dtype = torch.floa
     m, par = cfg.model, cfg.parallel
     mode = TPMode.parse(par.mode)
     attn_rank, mlp_rank = m.resolved_ranks() if mode.is_lowrank else (None, None)
-    recompute = cfg.training.recompute
+    lowrank_recompute = cfg.training.recompute == "lowrank"
+    recompute = None if lowrank_recompute else cfg.training.recompute
     kwargs = dict(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
@@ -335,7 +337,7 @@ def to_transformer_config(cfg: RunConfig, params_dtype: torch.dtype = torch.floa
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, use_cpu_initialization=True,
-        recompute_granularity=recompute,
+        recompute_granularity=recompute, lowrank_recompute=lowrank_recompute,
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
         # Interleaved pipelines with batched p2p give silently wrong results at PP=2 on gloo

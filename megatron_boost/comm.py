@@ -17,6 +17,7 @@ the ``with`` block only. Outside the block nothing is wrapped: the cost when dis
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
@@ -31,6 +32,10 @@ __all__ = [
     "scatter_hidden",
     "copy_to_tp_region",
     "reduce_from_tp_region",
+    "bottleneck_up",
+    "column_parallel_in",
+    "record_forward_reductions",
+    "replay_forward_reductions",
     "record_collectives",
     "CollectiveRecord",
     "CommLog",
@@ -140,10 +145,14 @@ def _local_slice(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def reduce_bottleneck(x: torch.Tensor, group) -> torch.Tensor:
-    """fwd: all-reduce (width of x's last dim); bwd: identity. See _ReduceBottleneck."""
+    """fwd: all-reduce (width of x's last dim); bwd: identity. See _ReduceBottleneck.
+
+    Inside :func:`record_forward_reductions` / :func:`replay_forward_reductions` (low-rank
+    activation checkpointing) the result is cached, then served again without communicating.
+    """
     if _size(group) == 1:
         return x
-    return _ReduceBottleneck.apply(x, group)
+    return _cached_reduction(x, lambda t: _ReduceBottleneck.apply(t, group))
 
 
 def copy_to_bottleneck(x: torch.Tensor, group) -> torch.Tensor:
@@ -191,7 +200,155 @@ def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """
     if _size(group) == 1:
         return x
-    return _mcore_mappings.reduce_from_tensor_model_parallel_region(x, group=group)
+    return _cached_reduction(
+        x, lambda t: _mcore_mappings.reduce_from_tensor_model_parallel_region(t, group=group))
+
+
+# --------------------------------------------------------------------------------------------
+# backward overlap: the input-gradient all-reduce runs while the weight-gradient GEMMs proceed
+# --------------------------------------------------------------------------------------------
+
+
+class _BottleneckUp(torch.autograd.Function):
+    """boost: y_p = z_p · B_p^T for each projection p of a group, z = [z_1 | z_2 | ...].
+
+    fwd: identity on z (replicated) and the local GEMMs; no communication.
+    bwd: dz (width Σr, partial: each rank holds out/t rows of B) is all-reduced ASYNCHRONOUSLY
+         while the weight gradients dB_p = g_p^T z_p are computed, then waited on. Same
+         collective as copy_to_bottleneck, overlapped with compute.
+    """
+
+    @staticmethod
+    def forward(ctx, z, group, ranks, *weights):
+        ctx.group, ctx.ranks = group, ranks
+        ctx.save_for_backward(z, *weights)
+        zs = z.split(ranks, dim=-1)
+        return tuple(torch.matmul(zp, w.t()) for zp, w in zip(zs, weights))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        z, *weights = ctx.saved_tensors
+        # An unused output gets no gradient: treat it as zero.
+        grads = [g if g is not None else z.new_zeros(*z.shape[:-1], w.shape[0])
+                 for g, w in zip(grads, weights)]
+        dz = torch.cat([torch.matmul(g, w) for g, w in zip(grads, weights)], dim=-1)  # [s,b,Σr]
+        handle = None
+        if _size(ctx.group) > 1:
+            dz = dz.contiguous()
+            handle = torch.distributed.all_reduce(dz, group=ctx.group, async_op=True)
+        zs = z.split(ctx.ranks, dim=-1)
+        dws = [torch.matmul(g.reshape(-1, g.shape[-1]).t(), zp.reshape(-1, zp.shape[-1]))
+               for g, zp in zip(grads, zs)]  # [out_p/t, r_p] each
+        if handle is not None:
+            handle.wait()
+        return (dz, None, None, *dws)
+
+
+def bottleneck_up(z: torch.Tensor, weights, ranks, group, overlap: bool = True):
+    """boost's B factors of a group on the replicated bottleneck z (see _BottleneckUp).
+
+    fwd: no communication; bwd: all-reduce of dz (Σr), overlapped with the dB GEMMs when
+    ``overlap``, else issued first (copy_to_bottleneck) as in the plain autograd graph."""
+    if not overlap:
+        z = copy_to_bottleneck(z, group)
+        zs = z.split(list(ranks), dim=-1) if len(ranks) > 1 else (z,)
+        return [torch.matmul(zp, w.t()) for zp, w in zip(zs, weights)]
+    return list(_BottleneckUp.apply(z, group, list(ranks), *weights))
+
+
+class _ColumnParallelIn(torch.autograd.Function):
+    """naive: h = x · A_local^T on the replicated input (megatron's column-parallel linear).
+
+    fwd: the local GEMM; no communication.
+    bwd: dx (width d_in, partial over ranks) is all-reduced ASYNCHRONOUSLY while dA = g^T x is
+         computed: megatron's overlapped input-gradient all-reduce (ColumnParallelLinear's
+         async grad reduction), so the naive baseline gets the same overlap as boost.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        dx = torch.matmul(g, weight).contiguous()  # [s, b, d_in], partial over ranks
+        handle = (torch.distributed.all_reduce(dx, group=ctx.group, async_op=True)
+                  if _size(ctx.group) > 1 else None)
+        dw = torch.matmul(g.reshape(-1, g.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        if handle is not None:
+            handle.wait()
+        return dx, dw, None
+
+
+def column_parallel_in(x: torch.Tensor, weight: torch.Tensor, group,
+                       overlap: bool = True) -> torch.Tensor:
+    """naive's A factors on the replicated input: fwd GEMM; bwd all-reduce of dx (d_in),
+    overlapped with the dA GEMM when ``overlap`` (see _ColumnParallelIn)."""
+    if not overlap:
+        return torch.matmul(copy_to_tp_region(x, group), weight.t())
+    return _ColumnParallelIn.apply(x, weight, group)
+
+
+# --------------------------------------------------------------------------------------------
+# low-rank activation checkpointing: forward reductions recorded once, replayed in recompute
+# --------------------------------------------------------------------------------------------
+
+_REDUCTION_CACHE = threading.local()
+
+
+class _ReplayReduce(torch.autograd.Function):
+    """Recompute stand-in of a forward all-reduce: returns the result recorded in the first
+    forward pass.
+
+    fwd: no communication (the cached, already reduced tensor).
+    bwd: identity, exactly as the reduction it replaces (fwd all-reduce, bwd identity).
+    """
+
+    @staticmethod
+    def forward(ctx, x, cached):
+        return cached.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _cached_reduction(x: torch.Tensor, reduce_fn):
+    cache = getattr(_REDUCTION_CACHE, "cache", None)
+    if cache is None:
+        return reduce_fn(x)
+    mode, store = cache
+    if mode == "record":
+        out = reduce_fn(x)
+        store.append(out.detach())
+        return out
+    return _ReplayReduce.apply(x, store.pop(0))
+
+
+@contextlib.contextmanager
+def record_forward_reductions(store: list):
+    """Forward reductions in the block run normally and append their results to ``store``."""
+    prev = getattr(_REDUCTION_CACHE, "cache", None)
+    _REDUCTION_CACHE.cache = ("record", store)
+    try:
+        yield store
+    finally:
+        _REDUCTION_CACHE.cache = prev
+
+
+@contextlib.contextmanager
+def replay_forward_reductions(store: list):
+    """Forward reductions in the block return the recorded results, in order, without
+    communicating (the recompute of low-rank activation checkpointing)."""
+    prev = getattr(_REDUCTION_CACHE, "cache", None)
+    _REDUCTION_CACHE.cache = ("replay", list(store))
+    try:
+        yield
+    finally:
+        _REDUCTION_CACHE.cache = prev
 
 
 # --------------------------------------------------------------------------------------------

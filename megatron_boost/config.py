@@ -106,8 +106,22 @@ class BoostTransformerConfig(TransformerConfig):
     """Initialise both bottleneck factors with CoLA's randn · r^(-1/4) · (d_in + d_out)^(-1/4).
     False: Megatron's init_method for A and output_layer_init_method for B."""
 
+    overlap_bottleneck_grad_reduce: bool = True
+    """Overlap the backward all-reduce of each input gradient with the weight-gradient GEMMs
+    (boost: dz of the B factors, Σr wide; naive: dx of the A factors, megatron's async
+    column-parallel reduction). Gradients are identical either way."""
+
+    lowrank_recompute: bool = False
+    """Low-rank activation checkpointing (BOOST): per layer keep only the hidden-sharded input,
+    the all-reduced bottleneck activations and the rms sums of squares; recompute the rest in
+    backward without re-running any collective. naive and boost modes."""
+
     def __post_init__(self):
         self.tp_mode = TPMode.parse(self.tp_mode)
+        if self.lowrank_recompute and not self.tp_mode.is_lowrank:
+            raise ValueError(
+                "recompute 'lowrank' (low-rank activation checkpointing) applies to the naive "
+                "and boost modes; for the full-rank model use recompute 'selective' or 'full'")
         tp = self.tensor_model_parallel_size
         heads = self.num_attention_heads
         groups = self.num_query_groups if self.num_query_groups is not None else heads

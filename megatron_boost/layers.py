@@ -238,8 +238,10 @@ class BoostBottleneckGroup(BottleneckGroup):
             total = (total.float() * inv_rms).to(partial.dtype)
         else:
             total = comm.reduce_bottleneck(partial, self.tp_group)  # [s, b, Σr]
-        z = comm.copy_to_bottleneck(self.activation(total), self.tp_group)  # bwd: AR(Σr)
-        return self.combine(self._apply_b(z, ranks))
+        # B factors on the replicated bottleneck; bwd: AR(Σr) of dz, overlapped with dB.
+        outs = comm.bottleneck_up(self.activation(total), self.factors("B"), ranks,
+                                  self.tp_group, self.config.overlap_bottleneck_grad_reduce)
+        return self.combine(outs)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
@@ -253,8 +255,10 @@ class NaiveBottleneckGroup(BottleneckGroup):
     _b_axis = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.copy_to_tp_region(x, self.tp_group)  # bwd: AR(d_in)
-        h = self.activation(torch.matmul(x, self._fused_a().t()))  # [s, b, Σr/t]
+        # Column-parallel A on the replicated input; bwd: AR(d_in) of dx, overlapped with dA.
+        h = self.activation(comm.column_parallel_in(
+            x, self._fused_a(), self.tp_group,
+            self.config.overlap_bottleneck_grad_reduce))  # [s, b, Σr/t]
         ranks = [p.rank // self.tp_size for p in self.projections]
         out = self.combine(self._apply_b(h, ranks))  # [s, b, Σ d_out] partial over ranks
         return comm.reduce_from_tp_region(out, self.tp_group)  # fwd: AR(Σ d_out)

@@ -18,6 +18,7 @@ stage output [s, b, d/t] as [s/t, b, d] (same elements, same memory) and its sta
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import zlib
@@ -138,6 +139,65 @@ class GatheredRMSNorm(MegatronModule):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+class _LowRankCheckpoint(torch.autograd.Function):
+    """Low-rank activation checkpointing of one decoder layer (BOOST).
+
+    fwd: runs the layer without building a graph, recording the results of its forward
+         all-reduces (boost: the r + 1 wide bottleneck sums, which carry the rms sums of
+         squares; naive: the reduced chunk outputs); saves only the layer input (boost: the
+         hidden shard [s, b, d/t]) and those results.
+    bwd: re-runs the layer with the recorded reductions replayed (no collective is re-run),
+         then back-propagates through it; the backward collectives are the usual ones.
+    """
+
+    @staticmethod
+    def forward(ctx, run_fn, hidden, *unused):
+        store = []
+        ctx.run_fn = run_fn
+        ctx.rng = torch.get_rng_state()
+        # The autograd engine runs backward with an empty torch-function-mode stack; the
+        # recompute must see the same modes as the forward (CPU mode is one).
+        ctx.modes = torch.overrides._get_current_function_mode_stack()
+        with torch.no_grad(), comm.record_forward_reductions(store):
+            out = run_fn(hidden)
+        ctx.n_cached = len(store)
+        ctx.save_for_backward(hidden, *store)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, *store = ctx.saved_tensors
+        hidden = hidden.detach().requires_grad_(hidden.requires_grad)
+        rng = torch.get_rng_state()
+        torch.set_rng_state(ctx.rng)
+        with contextlib.ExitStack() as modes:
+            for mode in ctx.modes:
+                modes.enter_context(mode)
+            with torch.enable_grad(), comm.replay_forward_reductions(store):
+                out = ctx.run_fn(hidden)
+        torch.set_rng_state(rng)
+        torch.autograd.backward(out, grad)
+        return (None, hidden.grad)
+
+
+class BottleneckTransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer with optional low-rank activation checkpointing
+    (``config.lowrank_recompute``); otherwise unchanged."""
+
+    def forward(self, *args, **kwargs):
+        if not (self.config.lowrank_recompute and self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        if args:
+            hidden, args = args[0], args[1:]
+        else:
+            hidden = kwargs.pop("hidden_states")
+
+        def run(h):
+            return super(BottleneckTransformerLayer, self).forward(h, *args, **kwargs)[0]
+
+        return _LowRankCheckpoint.apply(run, hidden), None
+
+
 def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
     """The TransformerLayer spec of ``config.tp_mode``.
 
@@ -148,6 +208,7 @@ def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
     attn, mlp = sub.self_attention.submodules, sub.mlp.submodules
     if config.tp_mode is TPMode.FULL:
         return spec
+    spec.module = BottleneckTransformerLayer
     if config.tp_mode is TPMode.NAIVE:
         group = {"bottleneck_tp_group": tp_group}
         # linear_qkv is called directly by SelfAttention (no build_module), so it gets a
