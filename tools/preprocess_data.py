@@ -16,7 +16,6 @@ which Megatron's GPT dataset treats as the end-of-document token.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import multiprocessing
 import os
@@ -25,6 +24,9 @@ import sys
 import time
 from typing import Iterator
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_boost.textfiles import expand_inputs  # noqa: E402
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 # Per-worker state, set by _init_worker (each pool process loads its own SentencePiece model).
@@ -32,24 +34,6 @@ _sp = None
 _append_eod = False
 _split_sentences = False
 _json_key = "text"
-
-
-def expand_inputs(patterns: list[str]) -> list[str]:
-    """Expand files, directories (recursively, sorted) and globs into a sorted list of files."""
-    files: list[str] = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True)) or [pattern]
-        for path in matches:
-            if os.path.isdir(path):
-                for root, _, names in sorted(os.walk(path)):
-                    files.extend(
-                        os.path.join(root, n) for n in sorted(names) if not n.startswith(".")
-                    )
-            elif os.path.isfile(path):
-                files.append(path)
-            else:
-                raise SystemExit(f"preprocess_data.py: error: input '{path}' does not exist")
-    return files
 
 
 def iter_work(files: list[str]) -> Iterator[tuple[str, str, str]]:
@@ -158,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             f"preprocess_data.py: error: --tokenizer-model '{args.tokenizer_model}' does not "
             f"exist; train one with tools/train_tokenizer.py"
         )
-    files = expand_inputs(args.input)
+    files = expand_inputs(args.input, "preprocess_data.py")
     if not files:
         raise SystemExit(f"preprocess_data.py: error: no files in --input {' '.join(args.input)}")
     # Stream the work items (a JSONL corpus may not fit in memory); the document count is known

@@ -18,32 +18,16 @@ vocabulary instead of an error.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
 import time
 from typing import Iterator
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_boost.textfiles import expand_inputs  # noqa: E402
+
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
-
-
-def expand_inputs(patterns: list[str]) -> list[str]:
-    """Expand files, directories (recursively, sorted) and globs into a sorted list of files."""
-    files: list[str] = []
-    for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True)) or [pattern]
-        for path in matches:
-            if os.path.isdir(path):
-                for root, _, names in sorted(os.walk(path)):
-                    files.extend(
-                        os.path.join(root, n) for n in sorted(names) if not n.startswith(".")
-                    )
-            elif os.path.isfile(path):
-                files.append(path)
-            else:
-                raise SystemExit(f"train_tokenizer.py: error: input '{path}' does not exist")
-    return files
 
 
 def iter_lines(files: list[str], json_key: str) -> Iterator[str]:
@@ -102,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             f"fallback needs 256 byte pieces and 4 special ids, so use at least {min_vocab} "
             f"(a few hundred more for a useful tokenizer)"
         )
-    files = expand_inputs(args.input)
+    files = expand_inputs(args.input, "train_tokenizer.py")
     # Materialize the lines: the trainer needs them anyway, and an empty corpus must be caught
     # here with a clear message instead of a SentencePiece internal error.
     lines = list(iter_lines(files, args.json_key))
