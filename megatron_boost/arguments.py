@@ -250,22 +250,26 @@ def _check_type(value, tp, where: str):
     return value
 
 
-def _build(cls, values: Dict[str, Any], where: str):
+def _build(cls, values: Dict[str, Any], section: str, source: str):
+    """Instantiate dataclass ``cls`` from a mapping; ``section`` is its dotted path, ``source``
+    the file (or 'overrides') named in errors."""
     if values is None:
         values = {}
     if not isinstance(values, dict):
-        raise ValueError(f"{where}: expected a mapping of keys to values, got {values!r}")
+        raise ValueError(f"{source}: section '{section}' must be a mapping of keys to values, "
+                         f"got {values!r}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
         if key not in known:
-            raise ValueError(f"unknown key '{key}' in {where}; valid keys: {sorted(known)}")
+            raise ValueError(f"unknown key '{key}' in section '{section}' of {source}; "
+                             f"valid keys: {sorted(known)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{where}.{key}")
+            kwargs[key] = _build(tp, value, f"{section}.{key}", source)
         else:
-            kwargs[key] = _check_type(value, tp, f"{where}.{key}")
+            kwargs[key] = _check_type(value, tp, f"{source}: {section}.{key}")
     return cls(**kwargs)
 
 
@@ -285,7 +289,8 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, 
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override '{item}': '{k}' is not a section")
-        node[keys[-1]] = yaml.safe_load(text) if text.strip() else None
+        # An empty value is the empty string; write null for None.
+        node[keys[-1]] = yaml.safe_load(text) if text.strip() else ""
     return raw
 
 
@@ -308,8 +313,7 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
         if section not in known:
             raise ValueError(f"unknown section '{section}' in {where}; valid sections: "
                              f"{sorted(known)}")
-        setattr(cfg, section, _build(type(getattr(cfg, section)), values,
-                                     f"section '{section}' of {where}"))
+        setattr(cfg, section, _build(type(getattr(cfg, section)), values, section, where))
     return cfg.validate()
 
 

@@ -328,6 +328,23 @@ class BottleneckGPTModel(GPTModel):
         elif mode is TPMode.BOOST and pre_process:
             self.embedding = HiddenShardedEmbedding(config, vocab_size, tp_group)
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.tp_mode is TPMode.NAIVE and self.tp_size > 1:
+            # The naive decoder was built with a one-rank TP group, so its replicated tensors
+            # (the RMSNorm weights) would each claim TP replica 0 on every TP rank, and
+            # dist_checkpointing refuses to save. A tensor unsharded along every axis is a
+            # replica on each TP rank: give it the real TP rank as its replica index.
+            from megatron.core.dist_checkpointing.dict_utils import nested_values
+            from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+            tp_rank = dist.get_rank(self.real_pg_collection.tp)
+            for sh in nested_values(sd):
+                if isinstance(sh, ShardedTensor) and all(
+                        f == 1 for f in sh.axis_fragmentations[sh.prepend_axis_num:]):
+                    sh.replica_id = (sh.replica_id[0], tp_rank, sh.replica_id[2])
+        return sd
+
     # Pipeline stage boundaries of boost: [s, b, d/t] travels as an [s/t, b, d] buffer.
     def set_input_tensor(self, input_tensor) -> None:
         if self.tp_mode is TPMode.BOOST and self.tp_size > 1:

@@ -1,0 +1,29 @@
+#!/usr/bin/env python
+"""Pretrain a low-rank bottleneck LLM with megatron-core + BOOST (torchrun / srun entry point).
+
+    torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/debug.yaml parallel.tp=2
+    python pretrain_lowrank.py --config configs/debug.yaml          # one process
+
+The loop lives in ``megatron_boost/trainer.py``. The ``__main__`` guard is required:
+dist_checkpointing starts a spawn-method multiprocessing helper that re-imports this file, so
+nothing heavy may run at import time.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import warnings
+
+    # Known, harmless warnings of megatron-core / torch on this stack (one per rank each).
+    for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                    "full scope is deprecated", "The .grad attribute of a Tensor that is not a leaf",
+                    "When using async grad allreduce it is recommended",
+                    "`torch.distributed.all_gather_into_tensor` is deprecated",
+                    "`torch.distributed.reduce_scatter_tensor` is deprecated",
+                    "`load_state_dict` is deprecated", "Please use DTensor instead"):
+        warnings.filterwarnings("ignore", message=pattern)
+    from megatron_boost.trainer import main
+
+    sys.exit(main())

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Train the three tensor-parallel twins of one config and plot them together:
+#   full  - the full-rank model of the same shape (megatron-core's own TP; ranks ignored)
+#   naive - the bottleneck model with vanilla TP
+#   boost - the bottleneck model with BOOST's bottleneck-aware TP
+#
+#   scripts/compare_modes.sh <config.yaml> [section.key=value ...]
+#   scripts/compare_modes.sh configs/debug.yaml parallel.tp=2 training.train_iters=50
+#
+# Run directories: <run_dir>-full, <run_dir>-naive, <run_dir>-boost (run_dir = the config's
+# logging.run_dir after the overrides); the figure: <run_dir>-modes.png (tools/plot_runs.py),
+# and a summary table on stdout. Processes per run: $NPROC, default tp × pp × (dp or 1) of the
+# config. A run directory that already holds a checkpoint is resumed (finished runs are not
+# repeated); FRESH=1 deletes the three run directories first.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+if [ $# -lt 1 ]; then
+    echo "usage: scripts/compare_modes.sh <config.yaml> [section.key=value ...]" >&2
+    exit 2
+fi
+CONFIG=$1
+shift
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -f "$ROOT/.venv/bin/activate" ]; then
+    # shellcheck disable=SC1091
+    . "$ROOT/.venv/bin/activate"
+fi
+# logging.run_dir and the process count, from the config with the overrides applied
+read -r RUN_DIR WORLD < <(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python -W ignore - "$CONFIG" "$@" <<'PY'
+import sys
+from megatron_boost.arguments import load_run_config
+try:
+    cfg = load_run_config(sys.argv[1], sys.argv[2:])
+except ValueError as err:
+    print(f"compare_modes.sh: error: {err}", file=sys.stderr)
+    sys.exit(2)
+p = cfg.parallel
+print(cfg.logging.run_dir.rstrip("/"), p.tp * p.pp * (p.dp or 1))
+PY
+)
+NPROC=${NPROC:-$WORLD}
+MODES=(full naive boost)
+for mode in "${MODES[@]}"; do
+    dir="$RUN_DIR-$mode"
+    if [ "${FRESH:-0}" = 1 ]; then rm -rf "$dir"; fi
+    echo "=== $mode: $dir ($NPROC processes)"
+    "$ROOT/scripts/run_local.sh" "$NPROC" "$CONFIG" "$@" "parallel.mode=$mode" \
+        "logging.run_dir=$dir"
+done
+python "$ROOT/tools/plot_runs.py" "${MODES[@]/#/$RUN_DIR-}" --labels "${MODES[@]}" \
+    --out "$RUN_DIR-modes.png" --title "$(basename "$CONFIG"): full vs naive vs boost"
+python - "$RUN_DIR" "${MODES[@]}" <<'PY'
+import json, sys
+base, modes = sys.argv[1], sys.argv[2:]
+print(f"{'mode':<6} {'iters':>6} {'loss':>8} {'val_loss':>9} {'val_ppl':>9} {'tokens/s':>10} "
+      f"{'TFLOP/s/dev':>11} {'tp_comm/step':>13}")
+for mode in modes:
+    recs = [json.loads(l) for l in open(f"{base}-{mode}/metrics.jsonl") if l.strip()]
+    train = [r for r in recs if r.get("loss") is not None]
+    evals = [r for r in recs if r.get("val_loss") is not None]
+    last = train[-1]
+    tps = sum(r["tokens_per_s"] for r in train) / len(train)
+    tfl = sum(r["tflops"] for r in train) / len(train)
+    vl = f"{evals[-1]['val_loss']:.4f}" if evals else "n/a"
+    vp = f"{evals[-1]['val_ppl']:.2f}" if evals else "n/a"
+    print(f"{mode:<6} {last['iteration']:>6} {last['loss']:>8.4f} {vl:>9} {vp:>9} {tps:>10,.0f} "
+          f"{tfl:>11.3g} {last['tp_comm_bytes'] / 2**20:>10.2f} MB")
+PY
