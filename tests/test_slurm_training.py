@@ -1,0 +1,133 @@
+"""The real launcher with the real trainer, under a real (private) Slurm cluster.
+
+scripts/slurm/pretrain.sbatch runs pretrain_lowrank.py on configs/debug.yaml (mock data, CPU,
+gloo): one node with two processes, two fake nodes with one process each (the same TP=2 layout
+across nodes, so the same losses), a trainer that fails on a bad config, and a pre-emption:
+SIGUSR1 to the batch shell (what ``--signal=B:USR1@N`` delivers) -> checkpoint -> requeue ->
+the requeued run resumes from that checkpoint and finishes. Skipped without Slurm or root.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.slurm_cluster import SlurmClusterPool, launcher_env, slurm_available
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "scripts" / "slurm" / "pretrain.sbatch"
+CONFIG = REPO / "configs" / "debug.yaml"
+
+_OK, _WHY = slurm_available()
+pytestmark = pytest.mark.skipif(not _OK, reason=f"no Slurm test cluster: {_WHY}")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = SlurmClusterPool()
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _cluster(pool, nodes):
+    ok, why = slurm_available(nodes)
+    if not ok:
+        pytest.skip(why)
+    return pool.get(nodes)
+
+
+@pytest.fixture
+def job(tmp_path):
+    submit = tmp_path / "submit"
+    (submit / "logs").mkdir(parents=True)
+    return SimpleNamespace(submit=submit, run_dir=tmp_path / "run",
+                           env=launcher_env(REPO / "pretrain_lowrank.py"),
+                           log=lambda jid: (submit / "logs" / f"mboost-pretrain-{jid}.out")
+                           .read_text(errors="replace"))
+
+
+def _submit(cluster, job, overrides=(), env=None, sbatch_args=(), wait=True, timeout=240):
+    e = dict(job.env)
+    e.update(env or {})
+    args = [str(CONFIG), "parallel.tp=2", f"logging.run_dir={job.run_dir}",
+            "training.train_iters=4", "training.eval_interval=4", *overrides]
+    return cluster.sbatch(SBATCH, args, wait=wait, extra_sbatch_args=list(sbatch_args),
+                          env=e, cwd=job.submit, timeout=timeout)
+
+
+def _train_losses(run_dir: Path) -> dict:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["loss"] for r in records if r.get("loss") is not None}
+
+
+@pytest.fixture(scope="module")
+def one_node_losses(pool, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one_node")
+    j = SimpleNamespace(submit=tmp / "submit", run_dir=tmp / "run",
+                        env=launcher_env(REPO / "pretrain_lowrank.py"))
+    (j.submit / "logs").mkdir(parents=True)
+    rc, jid = _submit(_cluster(pool, 1), j, env={"NPROC_PER_NODE": "2"})
+    log = (j.submit / "logs" / f"mboost-pretrain-{jid}.out").read_text(errors="replace")
+    assert rc == 0, log
+    return _train_losses(j.run_dir), j.run_dir
+
+
+def test_one_node_two_processes_trains_and_writes_metrics(one_node_losses):
+    losses, run_dir = one_node_losses
+    assert sorted(losses) == [1, 2, 3, 4]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for field in ("iteration", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "tflops",
+                  "mfu", "tp_comm_bytes"):
+        assert field in records[0], field
+    assert any("val_ppl" in r for r in records)
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_two_nodes_one_process_each_same_losses(pool, job, one_node_losses):
+    rc, jid = _submit(_cluster(pool, 2), job, sbatch_args=["--nodes=2"])
+    log = job.log(jid)
+    assert rc == 0, log
+    assert "rendezvous n1:" in log
+    losses, _ = one_node_losses
+    # The same TP=2 layout, now across two nodes: the same arithmetic, the same losses.
+    assert _train_losses(job.run_dir) == losses
+
+
+def test_failing_trainer_fails_the_job(pool, job):
+    rc, jid = _submit(_cluster(pool, 1), job, ["model.hiden_size=3"],
+                      env={"NPROC_PER_NODE": "2"})
+    log = job.log(jid)
+    assert rc != 0, log
+    assert "unknown key 'hiden_size'" in log
+    assert "requeue" not in log
+
+
+def test_preemption_checkpoints_requeues_and_resumes(pool, job):
+    cluster = _cluster(pool, 1)
+    rc, jid = _submit(cluster, job, ["training.train_iters=400", "training.eval_interval=1000"],
+                      env={"NPROC_PER_NODE": "2"}, wait=False)
+    assert rc == 0
+    metrics = job.run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert cluster.job_state(jid) in ("PENDING", "RUNNING", "CONFIGURING"), job.log(jid)
+        assert time.monotonic() < deadline, job.log(jid)
+        time.sleep(0.2)
+    # What Slurm sends at --signal=B:USR1@N: SIGUSR1 to the batch shell only.
+    cluster.run(["scancel", "--batch", "--signal=USR1", str(jid)], check=True)
+    info = cluster.wait_job(jid, timeout=240)
+    log = job.log(jid)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log)
+    assert "pre-emption signal received, checkpoint saved at iteration" in log, log
+    saved = int(log.split("checkpoint saved at iteration")[1].split()[0])
+    assert 0 < saved < 400
+    assert f"at iteration {saved}" in log.split("resumed from")[1].splitlines()[0], log
+    losses = _train_losses(job.run_dir)
+    # One trajectory: every iteration exactly once, up to the end of training.
+    assert sorted(losses) == list(range(1, 401))
