@@ -20,6 +20,7 @@ layer is never active by accident on a CUDA run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any
 
@@ -119,6 +120,12 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """megatron's get_default_causal_mask on the CPU (same values)."""
+    return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+
 def _patch(owner: Any, name: str, value: Any) -> None:
     _STATE["patched"].append((owner, name, getattr(owner, name, None)))
     setattr(owner, name, value)
@@ -150,6 +157,15 @@ def _install_patches() -> None:
     _patch(cuda, "manual_seed_all", lambda *a, **k: None)
     _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+    # The causal mask is allocated with device="cuda". In a forward pass the function mode maps
+    # it, but a recompute (megatron's selective/full recompute) re-runs the forward inside
+    # autograd's backward, where the engine runs with an empty function-mode stack.
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as tutils
+
+    _patch(tutils, "get_default_causal_mask", _cpu_causal_mask)
+    if hasattr(fused_softmax, "get_default_causal_mask"):
+        _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
 
 
 def _cuda_usable() -> bool:

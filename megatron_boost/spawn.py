@@ -53,8 +53,21 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results."""
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, retries: int = 3):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results.
+
+    The rendezvous port is picked free but released before the store binds it, so another
+    process on a busy machine can take it in between (EADDRINUSE): then it starts again on a
+    new port, up to ``retries`` times."""
+    for attempt in range(retries):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except RuntimeError as err:
+            if "EADDRINUSE" not in str(err) or attempt == retries - 1:
+                raise
+
+
+def _run_once(fn, world_size: int, args, timeout: float):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
