@@ -27,7 +27,7 @@ of a layer spec (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist

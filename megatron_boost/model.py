@@ -35,7 +35,6 @@ from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     set_tensor_model_parallel_attributes,
 )
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec

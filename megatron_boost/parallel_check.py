@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, Optional
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["LayoutSpec", "run_layout", "TOLERANCES"]
 

@@ -78,7 +78,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional
 
 __all__ = ["main", "train", "PREEMPT_EXIT_CODE", "save_checkpoint", "load_checkpoint",
            "find_checkpoint", "ConsumedSamplesSampler"]

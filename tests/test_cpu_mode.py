@@ -6,7 +6,6 @@ from tests.dist_utils import run_distributed
 
 
 def _megatron_gpt_tp2_pp2(rank, world_size):
-    from functools import partial
 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel

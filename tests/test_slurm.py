@@ -9,7 +9,6 @@ path. Skipped when Slurm is not installed or we are not root.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 try:
-    from slurm_cluster import SlurmCluster, SlurmClusterPool, launcher_env, slurm_available
+    from slurm_cluster import SlurmCluster, launcher_env, slurm_available
 except ImportError:  # tests/ imported as a package
-    from tests.slurm_cluster import SlurmCluster, SlurmClusterPool, launcher_env, slurm_available
+    from tests.slurm_cluster import SlurmCluster, launcher_env, slurm_available
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain.sbatch"
@@ -115,32 +114,16 @@ result = {
 dist.destroy_process_group()
 '''
 
-@pytest.fixture(scope="module")
-def clusters():
-    pool = SlurmClusterPool()
-    try:
-        yield pool
-    finally:
-        pool.close()
-
-
-def _cluster(clusters: SlurmClusterPool, nodes: int) -> SlurmCluster:
-    ok, why = slurm_available(nodes)
-    if not ok:
-        pytest.skip(why)
-    return clusters.get(nodes)
-
-
 @pytest.fixture
-def slurm1(clusters):
-    c = _cluster(clusters, 1)
+def slurm1(slurm_cluster_of):
+    c = slurm_cluster_of(1)
     yield c
     c.cancel_all()
 
 
 @pytest.fixture
-def slurm2(clusters):
-    c = _cluster(clusters, 2)
+def slurm2(slurm_cluster_of):
+    c = slurm_cluster_of(2)
     yield c
     c.cancel_all()
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.slurm_cluster import SlurmClusterPool, launcher_env, slurm_available
+from tests.slurm_cluster import launcher_env, slurm_available
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain.sbatch"
@@ -24,22 +24,6 @@ CONFIG = REPO / "configs" / "debug.yaml"
 
 _OK, _WHY = slurm_available()
 pytestmark = pytest.mark.skipif(not _OK, reason=f"no Slurm test cluster: {_WHY}")
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = SlurmClusterPool()
-    try:
-        yield p
-    finally:
-        p.close()
-
-
-def _cluster(pool, nodes):
-    ok, why = slurm_available(nodes)
-    if not ok:
-        pytest.skip(why)
-    return pool.get(nodes)
 
 
 @pytest.fixture
@@ -67,12 +51,15 @@ def _train_losses(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def one_node_losses(pool, tmp_path_factory):
+def one_node_losses(slurm_pool, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_node")
     j = SimpleNamespace(submit=tmp / "submit", run_dir=tmp / "run",
                         env=launcher_env(REPO / "pretrain_lowrank.py"))
     (j.submit / "logs").mkdir(parents=True)
-    rc, jid = _submit(_cluster(pool, 1), j, env={"NPROC_PER_NODE": "2"})
+    ok, why = slurm_available(1)
+    if not ok:
+        pytest.skip(why)
+    rc, jid = _submit(slurm_pool.get(1), j, env={"NPROC_PER_NODE": "2"})
     log = (j.submit / "logs" / f"mboost-pretrain-{jid}.out").read_text(errors="replace")
     assert rc == 0, log
     return _train_losses(j.run_dir), j.run_dir
@@ -89,8 +76,8 @@ def test_one_node_two_processes_trains_and_writes_metrics(one_node_losses):
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
 
 
-def test_two_nodes_one_process_each_same_losses(pool, job, one_node_losses):
-    rc, jid = _submit(_cluster(pool, 2), job, sbatch_args=["--nodes=2"])
+def test_two_nodes_one_process_each_same_losses(slurm_cluster_of, job, one_node_losses):
+    rc, jid = _submit(slurm_cluster_of(2), job, sbatch_args=["--nodes=2"])
     log = job.log(jid)
     assert rc == 0, log
     assert "rendezvous n1:" in log
@@ -99,8 +86,8 @@ def test_two_nodes_one_process_each_same_losses(pool, job, one_node_losses):
     assert _train_losses(job.run_dir) == losses
 
 
-def test_failing_trainer_fails_the_job(pool, job):
-    rc, jid = _submit(_cluster(pool, 1), job, ["model.hiden_size=3"],
+def test_failing_trainer_fails_the_job(slurm_cluster_of, job):
+    rc, jid = _submit(slurm_cluster_of(1), job, ["model.hiden_size=3"],
                       env={"NPROC_PER_NODE": "2"})
     log = job.log(jid)
     assert rc != 0, log
@@ -108,8 +95,8 @@ def test_failing_trainer_fails_the_job(pool, job):
     assert "requeue" not in log
 
 
-def test_preemption_checkpoints_requeues_and_resumes(pool, job):
-    cluster = _cluster(pool, 1)
+def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster_of, job):
+    cluster = slurm_cluster_of(1)
     rc, jid = _submit(cluster, job, ["training.train_iters=400", "training.eval_interval=1000"],
                       env={"NPROC_PER_NODE": "2"}, wait=False)
     assert rc == 0
