@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import mappings as _mcore_mappings
 
 __all__ = [
     "reduce_bottleneck",
+    "reduce_bottleneck_product",
     "copy_to_bottleneck",
     "gather_hidden",
     "scatter_hidden",
@@ -314,6 +315,56 @@ class _ReplayReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class _ReplayProduct(torch.autograd.Function):
+    """Recompute stand-in of ``reduce_bottleneck([xin · A^T | Σ x²])``: the recorded result is
+    returned and the partial product is NOT recomputed, since its gradient does not need it.
+
+    fwd: no communication, no GEMM (the cached, already reduced [s, b, Σr (+1)]).
+    bwd: what the product and the reduction would give: dxin = g_p · A, dA = (xin^T · g_p)^T
+         (the same GEMMs, in the same form, as autograd's matmul backward), and, for the
+         fused sum of squares, dx = g_ss · 2x. No communication (the reduction's bwd is identity).
+    """
+
+    @staticmethod
+    def forward(ctx, xin, a, x_sumsq, cached):
+        ctx.save_for_backward(xin, a, x_sumsq)
+        return cached.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        xin, a, x_sumsq = ctx.saved_tensors
+        n = a.shape[0]
+        g2d = g[..., :n].reshape(-1, n)  # [s·b, Σr]
+        xin2d = xin.reshape(-1, xin.shape[-1])  # [s·b, d_in/t]
+        dxin = g2d.mm(a).view(xin.shape)
+        da = xin2d.t().mm(g2d).t()
+        dx = None
+        if x_sumsq is not None:
+            g_ss = g[..., n:].float()  # [s, b, 1]
+            dx = (g_ss * (2.0 * x_sumsq.float())).to(x_sumsq.dtype)
+        return dxin, da, dx, None
+
+
+def reduce_bottleneck_product(xin: torch.Tensor, a: torch.Tensor, group,
+                              sumsq_of: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """boost's A side: the partial product xin · A^T ([s, b, Σr], partial over ranks), with
+    online-RMSNorm's partial sum of squares of ``sumsq_of`` as one extra column, all-reduced in
+    ONE collective. fwd: all-reduce (Σr + 1); bwd: identity (then the GEMMs' backward).
+
+    In the recompute of low-rank activation checkpointing the recorded sum is returned without
+    communicating and without recomputing the product (see _ReplayProduct)."""
+    cache = getattr(_REDUCTION_CACHE, "cache", None)
+    if cache is not None and cache[0] == "replay" and _size(group) > 1:
+        return _ReplayProduct.apply(xin, a, sumsq_of, cache[1].pop(0))
+    partial = torch.matmul(xin, a.t())  # [s, b, Σr]
+    if sumsq_of is not None:
+        # Sum of squares in fp32; it travels in the activation dtype with the products
+        # (one collective), which is exact in fp32 and bf16-accurate in bf16.
+        sumsq = sumsq_of.float().pow(2).sum(dim=-1, keepdim=True).to(partial.dtype)  # [s, b, 1]
+        partial = torch.cat([partial, sumsq], dim=-1)  # [s, b, Σr + 1]
+    return reduce_bottleneck(partial, group)
 
 
 def _cached_reduction(x: torch.Tensor, reduce_fn):

@@ -227,17 +227,16 @@ class BoostBottleneckGroup(BottleneckGroup):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ranks = [p.rank for p in self.projections]
         xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
-        partial = torch.matmul(xin, self._fused_a().t())  # [s, b, Σr] partial over ranks
+        # One GEMM for the group's A factors and ONE all-reduce of the partial products, with
+        # the partial sum of squares as an extra column when the norm is fused.
+        fused = comm.reduce_bottleneck_product(xin, self._fused_a(), self.tp_group,
+                                               x if self.fuse_norm else None)
         if self.fuse_norm:
-            # Sum of squares in fp32; it travels in the activation dtype with the products
-            # (one collective), which is exact in fp32 and bf16-accurate in bf16.
-            sumsq = x.float().pow(2).sum(dim=-1, keepdim=True).to(partial.dtype)  # [s, b, 1]
-            fused = comm.reduce_bottleneck(torch.cat([partial, sumsq], dim=-1), self.tp_group)
             total, sumsq = fused.split([sum(ranks), 1], dim=-1)  # [s, b, Σr], [s, b, 1]
             inv_rms = torch.rsqrt(sumsq.float() / self.input_size + self.eps)
-            total = (total.float() * inv_rms).to(partial.dtype)
+            total = (total.float() * inv_rms).to(fused.dtype)
         else:
-            total = comm.reduce_bottleneck(partial, self.tp_group)  # [s, b, Σr]
+            total = fused  # [s, b, Σr]
         # B factors on the replicated bottleneck; bwd: AR(Σr) of dz, overlapped with dB.
         outs = comm.bottleneck_up(self.activation(total), self.factors("B"), ranks,
                                   self.tp_group, self.config.overlap_bottleneck_grad_reduce)
