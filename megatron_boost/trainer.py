@@ -74,7 +74,6 @@ import random
 import resource
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -95,12 +94,6 @@ CHECKPOINT_FORMAT_VERSION = 1
 # ---------------------------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -611,7 +604,9 @@ def _init_distributed(device: str):
     if "RANK" not in os.environ:  # plain `python pretrain_lowrank.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        from megatron_boost.spawn import free_port
+
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
