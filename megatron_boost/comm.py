@@ -30,10 +30,10 @@ __all__ = [
     "reduce_bottleneck_product",
     "copy_to_bottleneck",
     "gather_hidden",
-    "scatter_hidden",
     "copy_to_tp_region",
     "reduce_from_tp_region",
     "bottleneck_up",
+    "split_project",
     "column_parallel_in",
     "record_forward_reductions",
     "replay_forward_reductions",
@@ -122,23 +122,6 @@ class _GatherHidden(torch.autograd.Function):
         return _local_slice(grad, ctx.group), None
 
 
-class _ScatterHidden(torch.autograd.Function):
-    """Take this rank's hidden shard of a replicated tensor.
-
-    fwd: local slice, [s, b, d] -> [s, b, d/t]; no communication.
-    bwd: all-gather of the gradient along the last dimension (width d).
-    """
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _local_slice(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _GatherHidden.forward(ctx, grad, ctx.group), None
-
-
 def _local_slice(x: torch.Tensor, group) -> torch.Tensor:
     t, k = _size(group), dist.get_rank(group)
     width = x.shape[-1] // t
@@ -168,13 +151,6 @@ def gather_hidden(x: torch.Tensor, group) -> torch.Tensor:
     if _size(group) == 1:
         return x
     return _GatherHidden.apply(x, group)
-
-
-def scatter_hidden(x: torch.Tensor, group) -> torch.Tensor:
-    """fwd: local slice [s, b, d] -> [s, b, d/t]; bwd: all-gather. See _ScatterHidden."""
-    if _size(group) == 1:
-        return x
-    return _ScatterHidden.apply(x, group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,6 +186,12 @@ def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def split_project(z: torch.Tensor, weights, ranks) -> List[torch.Tensor]:
+    """y_p = z_p · W_p^T for each projection p; z: [s, b, Σr] split by ``ranks``.
+    Local GEMMs only, no communication."""
+    return [torch.matmul(zp, w.t()) for zp, w in zip(z.split(list(ranks), dim=-1), weights)]
+
+
 class _BottleneckUp(torch.autograd.Function):
     """boost: y_p = z_p · B_p^T for each projection p of a group, z = [z_1 | z_2 | ...].
 
@@ -223,8 +205,7 @@ class _BottleneckUp(torch.autograd.Function):
     def forward(ctx, z, group, ranks, *weights):
         ctx.group, ctx.ranks = group, ranks
         ctx.save_for_backward(z, *weights)
-        zs = z.split(ranks, dim=-1)
-        return tuple(torch.matmul(zp, w.t()) for zp, w in zip(zs, weights))
+        return tuple(split_project(z, weights, ranks))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -251,9 +232,7 @@ def bottleneck_up(z: torch.Tensor, weights, ranks, group, overlap: bool = True):
     fwd: no communication; bwd: all-reduce of dz (Σr), overlapped with the dB GEMMs when
     ``overlap``, else issued first (copy_to_bottleneck) as in the plain autograd graph."""
     if not overlap:
-        z = copy_to_bottleneck(z, group)
-        zs = z.split(list(ranks), dim=-1) if len(ranks) > 1 else (z,)
-        return [torch.matmul(zp, w.t()) for zp, w in zip(zs, weights)]
+        return split_project(copy_to_bottleneck(z, group), weights, ranks)
     return list(_BottleneckUp.apply(z, group, list(ranks), *weights))
 
 

@@ -160,11 +160,6 @@ class BottleneckGroup(MegatronModule):
         a = self.factors("A")
         return a[0] if len(a) == 1 else torch.cat(a, dim=0)  # [Σ local r, local d_in]
 
-    def _apply_b(self, z: torch.Tensor, ranks: List[int]) -> List[torch.Tensor]:
-        """y_p = z_p · B_p^T for each projection; z: [s, b, Σr] split by ``ranks``."""
-        zs = z.split(ranks, dim=-1) if len(ranks) > 1 else (z,)
-        return [torch.matmul(zp, b.t()) for zp, b in zip(zs, self.factors("B"))]
-
     def combine(self, outs: List[torch.Tensor]) -> torch.Tensor:
         """Lay out the per-projection outputs as the consumer expects (default: concat)."""
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -259,7 +254,8 @@ class NaiveBottleneckGroup(BottleneckGroup):
             x, self._fused_a(), self.tp_group,
             self.config.overlap_bottleneck_grad_reduce))  # [s, b, Σr/t]
         ranks = [p.rank // self.tp_size for p in self.projections]
-        out = self.combine(self._apply_b(h, ranks))  # [s, b, Σ d_out] partial over ranks
+        # [s, b, Σ d_out], partial over ranks until the all-reduce
+        out = self.combine(comm.split_project(h, self.factors("B"), ranks))
         return comm.reduce_from_tp_region(out, self.tp_group)  # fwd: AR(Σ d_out)
 
 

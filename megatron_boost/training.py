@@ -65,7 +65,7 @@ def build_ddp_model(config: BoostTransformerConfig, vocab_size: int, seq_length:
                                    disable_bucketing=(i > 0))
            for i, c in enumerate(chunks)]
     for m in ddp:
-        m.broadcast_params()  # identical replicas across DP (they already are; cheap check)
+        m.broadcast_params()  # DP replicas start identical (init already makes them so)
     # Without this megatron-core issues no data-parallel gradient all-reduce at all.
     config.finalize_model_grads_func = finalize_model_grads
     if overlap_grad_reduce:

@@ -2,7 +2,7 @@
 
 import torch
 
-from tests.dist_utils import run_distributed
+from megatron_boost.spawn import run_distributed
 
 
 def _megatron_gpt_tp2_pp2(rank, world_size):

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import run_distributed
+from megatron_boost.spawn import run_distributed
 
 S, B, D, HEADS, FFN, HN = 8, 2, 64, 8, 96, 8
 R_ATTN, R_MLP = 16, 24

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.dist_utils import run_distributed
+from megatron_boost.spawn import run_distributed
 
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
              num_query_groups=4, vocab_size=100, attn_rank=16, mlp_rank=16)

@@ -23,7 +23,7 @@ from megatron_boost.parallel_check import (
     run_layout,
     run_many,
 )
-from tests.dist_utils import run_distributed
+from megatron_boost.spawn import run_distributed
 
 MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=8,
              num_query_groups=4, vocab_size=100, attn_rank=8, mlp_rank=8)
