@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/debug.yaml parallel.tp=2
     python pretrain_lowrank.py --config configs/debug.yaml          # one process
 
-The loop lives in ``megatron_boost/trainer.py``. The ``__main__`` guard is required:
+The loop lives in ``megatron_boost/train/loop.py``. The ``__main__`` guard is required:
 dist_checkpointing starts a spawn-method multiprocessing helper that re-imports this file, so
 nothing heavy may run at import time.
 """
@@ -24,6 +24,6 @@ if __name__ == "__main__":
                     "`torch.distributed.reduce_scatter_tensor` is deprecated",
                     "`load_state_dict` is deprecated", "Please use DTensor instead"):
         warnings.filterwarnings("ignore", message=pattern)
-    from megatron_boost.trainer import main
+    from megatron_boost.train.loop import main
 
     sys.exit(main())

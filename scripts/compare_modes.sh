@@ -27,7 +27,7 @@ fi
 # logging.run_dir and the process count, from the config with the overrides applied
 read -r RUN_DIR WORLD < <(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python -W ignore - "$CONFIG" "$@" <<'PY'
 import sys
-from megatron_boost.arguments import load_run_config
+from megatron_boost.config.run import load_run_config
 try:
     cfg = load_run_config(sys.argv[1], sys.argv[2:])
 except ValueError as err:

@@ -1,4 +1,4 @@
-"""Performance accounting (megatron_boost/accounting.py) and the tools built on it.
+"""Performance accounting (megatron_boost/analysis/accounting.py) and the tools built on it.
 
 * analytic FLOPs against torch's FlopCounterMode: the whole model forward + backward, one
   process (TP=1), every mode; and per TP rank at TP=2 (naive duplicates the attention core);
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_boost.spawn import run_distributed
+from megatron_boost.runtime.spawn import run_distributed
 import torch
 
-from megatron_boost import accounting
-from megatron_boost.accounting import (GIB, LayerCommSpec, SavedActivations, comm_volume_report,
+from megatron_boost.analysis import accounting
+from megatron_boost.analysis.accounting import (GIB, LayerCommSpec, SavedActivations, comm_volume_report,
                                        layer_comm_formula)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ SEED = 1234
 def _run_config(mode, tp):
     from dataclasses import asdict
 
-    from megatron_boost.arguments import ModelConfig, RunConfig
+    from megatron_boost.config.run import ModelConfig, RunConfig
 
     cfg = RunConfig()
     cfg.model = ModelConfig(**{**asdict(ModelConfig()), **MODEL, "seq_length": S})
@@ -47,8 +47,8 @@ def _run_config(mode, tp):
 
 def _model_stats(mode, tp):
     """FLOPs (forward; forward + backward) and saved activation bytes of one micro-batch."""
-    from megatron_boost.arguments import to_transformer_config
-    from megatron_boost.model import build_model, init_global_weights, padded_vocab_size
+    from megatron_boost.config.run import to_transformer_config
+    from megatron_boost.model.gpt import build_model, init_global_weights, padded_vocab_size
 
     cfg = _run_config(mode, tp)
     config = to_transformer_config(cfg)
@@ -140,7 +140,7 @@ def test_rank_flops_formula_matches_flop_counter_tp2(stats, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_rank_flops_parts_agree_with_flops_module(mode):
-    """rank_step_flops splits the same per-token terms megatron_boost.flops sums."""
+    """rank_step_flops splits the same per-token terms megatron_boost.analysis.flops sums."""
     cfg = _run_config(mode, 1)
     p = accounting._flop_parts(cfg, mode, 256, S)
     assert (p["layers"] * (p["proj"] + p["core"]) + p["head"]
@@ -220,7 +220,7 @@ def test_layer_comm_measured_equals_formula_tp2(stats, mode):
 
 
 def test_layer_comm_formula_mha_shorthand():
-    from megatron_boost.arguments import load_run_config
+    from megatron_boost.config.run import load_run_config
 
     cfg = load_run_config(str(ROOT / "configs/cola-7b.yaml"))
     d, f, r = 4096, 11008, 1024
@@ -241,7 +241,7 @@ def test_cola7b_published_anchor():
     integer combination of d, f, r reproduces 1.32 (it would need ≈ 43,250 elements per token
     against 5d + 2f = 42,496; 5d + 2f + r gives 1.33), so the published figure is taken as
     approximate and the tolerance for it is 2 %."""
-    from megatron_boost.arguments import load_run_config
+    from megatron_boost.config.run import load_run_config
 
     cfg = load_run_config(str(ROOT / "configs/cola-7b.yaml"))
     rep = comm_volume_report(cfg, 4, 4096, 4, "bf16")

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_boost.arguments import load_run_config, reference_yaml, to_transformer_config
-from megatron_boost.config import BoostTransformerConfig, TPMode
+from megatron_boost.config.run import load_run_config, reference_yaml, to_transformer_config
+from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,5 +108,5 @@ def test_shipped_configs_load():
 
 def test_reference_yaml_is_current():
     assert (ROOT / "configs/reference.yaml").read_text() == reference_yaml(), (
-        "configs/reference.yaml is stale: python -m megatron_boost.arguments > "
+        "configs/reference.yaml is stale: python -m megatron_boost.config.run > "
         "configs/reference.yaml")

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_boost.spawn import run_distributed
+from megatron_boost.runtime.spawn import run_distributed
 
 
 def _megatron_gpt_tp2_pp2(rank, world_size):
@@ -66,7 +66,7 @@ def test_megatron_gpt_runs_on_cpu_tp2_pp2():
 
 
 def test_use_cpu_is_idempotent_and_maps_devices():
-    from megatron_boost.cpu_mode import is_cpu_mode, use_cpu
+    from megatron_boost.runtime.cpu_mode import is_cpu_mode, use_cpu
 
     assert use_cpu(force=True) and use_cpu(force=True)
     assert is_cpu_mode()

@@ -17,7 +17,7 @@ import numpy
 import pytest
 import torch
 
-from megatron_boost.data import (
+from megatron_boost.data.datasets import (
     DataConfig,
     build_gpt_datasets,
     build_tokenizer,

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_boost.spawn import run_distributed
+from megatron_boost.runtime.spawn import run_distributed
 
 S, B, D, HEADS, FFN, HN = 8, 2, 64, 8, 96, 8
 R_ATTN, R_MLP = 16, 24
@@ -33,7 +33,7 @@ FP32_TOL, BF16_TOL = 1e-5, 3e-2
 
 
 def make_config(tp, mode, act="silu", groups=HEADS, dtype=torch.float32):
-    from megatron_boost.config import BoostTransformerConfig
+    from megatron_boost.config.transformer import BoostTransformerConfig
 
     return BoostTransformerConfig(
         num_layers=1, hidden_size=D, num_attention_heads=HEADS, num_query_groups=groups,
@@ -44,7 +44,7 @@ def make_config(tp, mode, act="silu", groups=HEADS, dtype=torch.float32):
 
 
 def build_layer(kind, mode, config, group):
-    from megatron_boost import layers as L
+    from megatron_boost.model import layers as L
 
     groups = config.num_query_groups
     qkv_out = HEADS * HN + 2 * groups * HN
@@ -98,7 +98,7 @@ def rel_err(a, b):
 
 
 def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=False):
-    from megatron_boost import comm
+    from megatron_boost.parallel import mappings as comm
 
     groups = 4 if kind == "qkv_gqa" else HEADS
     torch.manual_seed(1234)

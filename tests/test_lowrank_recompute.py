@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_boost.spawn import run_distributed
+from megatron_boost.runtime.spawn import run_distributed
 
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
              num_query_groups=4, vocab_size=100, attn_rank=16, mlp_rank=16)
@@ -38,10 +38,10 @@ def _saved_bytes_hooks(params):
 def _run(rank, world):
     from megatron.core import parallel_state
 
-    from megatron_boost import comm
-    from megatron_boost.model import padded_vocab_size, sharded_params
-    from megatron_boost.parallel_check import LayoutSpec, _batches, model_config
-    from megatron_boost.training import build_ddp_model, initialize_parallel
+    from megatron_boost.parallel import mappings as comm
+    from megatron_boost.model.gpt import padded_vocab_size, sharded_params
+    from megatron_boost.verification import LayoutSpec, _batches, model_config
+    from megatron_boost.train.step import build_ddp_model, initialize_parallel
 
     out = {}
     for tp in (1, 2, 4):

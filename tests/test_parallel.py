@@ -6,7 +6,7 @@ clipping. Checked against the one-process model (bottleneck modes against the on
 model, full against the one-process full-rank model): the loss, every gradient shard against
 the matching slice of the one-process gradient (except with the distributed optimizer, where
 each DP rank holds only its shard of the reduced buffer), the global gradient norm, and every
-parameter after one optimizer step. Tolerances: megatron_boost.parallel_check.TOLERANCES.
+parameter after one optimizer step. Tolerances: megatron_boost.verification.TOLERANCES.
 
 Layouts are grouped by world size so that one set of processes runs several of them.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_boost.parallel_check import (
+from megatron_boost.verification import (
     TOLERANCES,
     LayoutSpec,
     model_collectives,
@@ -23,7 +23,7 @@ from megatron_boost.parallel_check import (
     run_layout,
     run_many,
 )
-from megatron_boost.spawn import run_distributed
+from megatron_boost.runtime.spawn import run_distributed
 
 MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=8,
              num_query_groups=4, vocab_size=100, attn_rank=8, mlp_rank=8)

@@ -1,4 +1,4 @@
-"""Tests of the analytical cluster performance model (megatron_boost/perf_model.py)."""
+"""Tests of the analytical cluster performance model (megatron_boost/perf/model.py)."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_boost import perf_model as pm
+from megatron_boost.perf import model as pm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "tools", "perf_model.py")

@@ -1,4 +1,4 @@
-"""End-to-end tests of the training loop (pretrain_lowrank.py / megatron_boost/trainer.py).
+"""End-to-end tests of the training loop (pretrain_lowrank.py / megatron_boost/train/loop.py).
 
 Every run is a real subprocess (torchrun with 2 gloo ranks, or a plain single process) on
 configs/debug.yaml with mock data, fp32 on CPU, one thread per rank. Runs are shared between
@@ -277,7 +277,7 @@ def test_sigusr1_saves_checkpoint_exits_cleanly_and_resumes(tmp_path):
 
 
 def test_sampler_continues_and_reshards_by_data_parallel_rank():
-    from megatron_boost.trainer import ConsumedSamplesSampler
+    from megatron_boost.train.loop import ConsumedSamplesSampler
 
     def take(sampler, n):
         it = iter(sampler)
@@ -294,8 +294,8 @@ def test_sampler_continues_and_reshards_by_data_parallel_rank():
 
 
 def test_flops_per_token_formula():
-    from megatron_boost.arguments import load_run_config
-    from megatron_boost.flops import flops_per_token, forward_flops_per_token, peak_tflops
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.analysis.flops import flops_per_token, forward_flops_per_token, peak_tflops
 
     cfg = load_run_config(DEBUG)
     d, f, L, h, g, s, V, r = 64, 128, 2, 4, 2, 32, 256, 16

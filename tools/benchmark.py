@@ -8,7 +8,7 @@ Spawns tp·pp gloo processes (one thread each) and builds, in every process, one
 mode from the same config and seed: ``full`` is the full-rank twin (the same config with
 parallel.mode=full: the same d, f, heads, layers; ranks ignored), ``naive`` and ``boost`` the
 bottleneck model under vanilla and bottleneck-aware TP. Each step is one optimizer step of
-megatron-core's schedule, DDP and Adam (``megatron_boost.training.train_step``) over
+megatron-core's schedule, DDP and Adam (``megatron_boost.train.step.train_step``) over
 global_batch_size / micro_batch_size micro-batches of synthetic tokens (no data files). The
 modes' steps are interleaved (step i of every mode before step i + 1 of any), so a change in
 machine load hits all modes alike. After ``--warmup`` untimed steps, ``--steps`` steps are
@@ -89,11 +89,11 @@ def bench_worker(rank: int, world: int, job: dict) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_boost import accounting
-    from megatron_boost.arguments import RunConfig, to_transformer_config
-    from megatron_boost.comm import record_collectives
-    from megatron_boost.model import padded_vocab_size
-    from megatron_boost.training import (_run_schedule, build_ddp_model, build_optimizer,
+    from megatron_boost.analysis import accounting
+    from megatron_boost.config.run import RunConfig, to_transformer_config
+    from megatron_boost.parallel.mappings import record_collectives
+    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.train.step import (_run_schedule, build_ddp_model, build_optimizer,
                                          initialize_parallel, make_forward_step, train_step)
 
     torch.set_num_threads(job["threads"])
@@ -173,7 +173,7 @@ def bench_worker(rank: int, world: int, job: dict) -> dict:
 
 def _validate_mode(cfg, mode, tp, pp, recompute):
     """None if the config accepts (mode, tp, pp, recompute), else the reason."""
-    from megatron_boost.arguments import to_transformer_config
+    from megatron_boost.config.run import to_transformer_config
 
     c = copy.deepcopy(cfg)
     c.parallel.mode, c.parallel.tp, c.parallel.pp = mode, tp, pp
@@ -188,7 +188,7 @@ def _validate_mode(cfg, mode, tp, pp, recompute):
 
 def _row(label, mode, raw, cfg, tp, pp, seq, gbs, mb):
     """Aggregate one mode's per-rank results into the reported fields."""
-    from megatron_boost import accounting
+    from megatron_boost.analysis import accounting
 
     r0 = raw[0]
     times = r0["times"]
@@ -304,8 +304,8 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=2")
     args = parser.parse_args(argv)
 
-    from megatron_boost.spawn import run_distributed
-    from megatron_boost.arguments import load_run_config
+    from megatron_boost.runtime.spawn import run_distributed
+    from megatron_boost.config.run import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)
     seq = args.seq_length or cfg.model.seq_length

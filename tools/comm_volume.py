@@ -5,7 +5,7 @@
         --seq-length 4096 --tp 4 --dtype bf16 [--json out.json]
 
 For each mode, spawns ``tp`` gloo processes that build ONE megatron-core TransformerLayer from
-``megatron_boost.model.get_layer_spec`` (naive: attention and MLP on the one-rank decoder group,
+``megatron_boost.model.gpt.get_layer_spec`` (naive: attention and MLP on the one-rank decoder group,
 bottlenecks on the real TP group, as BottleneckGPTModel builds it) at the config's real widths,
 run it forward and backward on a small number of tokens (default 8·tp, micro-batch 1) under
 ``comm.record_collectives`` and record every TP collective. Every activation collective of a
@@ -97,9 +97,9 @@ def main(argv=None) -> int:
 
     from dataclasses import asdict
 
-    from megatron_boost.accounting import LayerCommSpec, comm_volume_report, layer_comm_worker
-    from megatron_boost.spawn import run_distributed
-    from megatron_boost.arguments import load_run_config, to_transformer_config
+    from megatron_boost.analysis.accounting import LayerCommSpec, comm_volume_report, layer_comm_worker
+    from megatron_boost.runtime.spawn import run_distributed
+    from megatron_boost.config.run import load_run_config, to_transformer_config
 
     cfg = load_run_config(args.config, args.overrides)
     tp = args.tp or cfg.parallel.tp

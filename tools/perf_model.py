@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Cluster performance model CLI: iteration time, per-GPU memory and communication of
-full / naive / boost training. The model lives in megatron_boost/perf_model.py.
+full / naive / boost training. The model lives in megatron_boost/perf/model.py.
 
 Examples:
     python tools/perf_model.py --compare-published
@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_boost.perf_model import main  # noqa: E402
+from megatron_boost.perf.model import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

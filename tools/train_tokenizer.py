@@ -25,7 +25,7 @@ import time
 from typing import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_boost.textfiles import expand_inputs  # noqa: E402
+from megatron_boost.data.textfiles import expand_inputs  # noqa: E402
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 

@@ -53,10 +53,10 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.attn_rank=8")
     args = parser.parse_args(argv)
 
-    from megatron_boost.arguments import load_run_config
-    from megatron_boost.parallel_check import (TOLERANCES, LayoutSpec, model_config,
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.verification import (TOLERANCES, LayoutSpec, model_config,
                                                reference_spec, run_layout)
-    from megatron_boost.spawn import run_distributed
+    from megatron_boost.runtime.spawn import run_distributed
 
     try:
         cfg = load_run_config(args.config, args.overrides)

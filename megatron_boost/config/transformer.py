@@ -77,7 +77,7 @@ def get_bottleneck_activation(name: str) -> Callable[[torch.Tensor], torch.Tenso
         raise ValueError(
             f"bottleneck_activation ({name!r}) is unknown; choose one of "
             f"{sorted(BOTTLENECK_ACTIVATIONS)} or register one with "
-            f"megatron_boost.config.register_bottleneck_activation")
+            f"megatron_boost.config.transformer.register_bottleneck_activation")
     return BOTTLENECK_ACTIVATIONS[name]
 
 

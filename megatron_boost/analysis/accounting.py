@@ -6,8 +6,8 @@ tests:
 * **TP communication** (:func:`layer_comm_formula`, :func:`measure_layer_comm`,
   :func:`layer_comm_worker`). The formula is DESIGN.md's per-layer table, written for any shape
   (GQA, kv_channels, separate attention / MLP ranks); the measurement runs ONE megatron-core
-  ``TransformerLayer`` built from :func:`megatron_boost.model.get_layer_spec` forward and backward
-  under :func:`megatron_boost.comm.record_collectives` and reports what the TP group really
+  ``TransformerLayer`` built from :func:`megatron_boost.model.gpt.get_layer_spec` forward and backward
+  under :func:`megatron_boost.parallel.mappings.record_collectives` and reports what the TP group really
   carried. Every activation collective of a layer is ``tokens × width`` elements, so bytes per
   token measured at a small token count scale *exactly* (integer arithmetic) to any B·S.
 
@@ -19,7 +19,7 @@ tests:
   recompute (which runs inside backward) is not.
 
 * **FLOPs** (:func:`forward_flops_per_token`, :func:`step_flops`, :func:`rank_step_flops`,
-  :func:`count_flops`). Model FLOPs come from :mod:`megatron_boost.flops` (matmuls only; a
+  :func:`count_flops`). Model FLOPs come from :mod:`megatron_boost.analysis.flops` (matmuls only; a
   bottleneck projection costs 2·r·(d_in + d_out) per token, a dense one 2·d_in·d_out, the
   attention core 2·2·s·h·e, the LM head 2·d·V; training = 3 × forward). :func:`rank_step_flops`
   is what one TP rank *executes*: every GEMM split t ways, except in naive mode, whose attention
@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from megatron_boost.comm import CommLog, record_collectives
+from megatron_boost.parallel.mappings import CommLog, record_collectives
 
 __all__ = [
     "MODES", "GIB", "gib", "layer_shape", "layer_comm_formula", "LayerCommSpec",
@@ -169,7 +169,7 @@ class LayerCommSpec:
 
 
 def _run_config(spec: LayerCommSpec):
-    from megatron_boost.arguments import ModelConfig, RunConfig
+    from megatron_boost.config.run import ModelConfig, RunConfig
 
     cfg = RunConfig()
     cfg.model = ModelConfig(**{**asdict(ModelConfig()), **spec.model})
@@ -184,8 +184,8 @@ def build_decoder_layer(config, pgs=None):
     attention / MLP and the real TP group for their bottlenecks."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_boost.config import TPMode
-    from megatron_boost.model import _replicated_decoder_pgs, default_pg_collection, \
+    from megatron_boost.config.transformer import TPMode
+    from megatron_boost.model.gpt import _replicated_decoder_pgs, default_pg_collection, \
         get_layer_spec
 
     pgs = pgs or default_pg_collection()
@@ -217,8 +217,8 @@ def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_boost.arguments import to_transformer_config
-    from megatron_boost.config import TPMode
+    from megatron_boost.config.run import to_transformer_config
+    from megatron_boost.config.transformer import TPMode
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     results = []
@@ -377,8 +377,8 @@ class SavedActivations:
 # FLOPs
 # ---------------------------------------------------------------------------------------------
 
-try:  # the project's model-FLOPs formulas (megatron_boost/flops.py)
-    from megatron_boost.flops import forward_flops_per_token as _flops_fwd_per_token
+try:  # the project's model-FLOPs formulas (megatron_boost/analysis/flops.py)
+    from megatron_boost.analysis.flops import forward_flops_per_token as _flops_fwd_per_token
 except ImportError:  # pragma: no cover - flops.py is part of the package
     _flops_fwd_per_token = None
 
@@ -386,7 +386,7 @@ except ImportError:  # pragma: no cover - flops.py is part of the package
 def forward_flops_per_token(cfg: Any, mode: str, vocab_size: int, seq_length: int) -> float:
     """Forward matmul (model) FLOPs per token of the whole model (no duplication counted).
 
-    Delegates to :func:`megatron_boost.flops.forward_flops_per_token` when available."""
+    Delegates to :func:`megatron_boost.analysis.flops.forward_flops_per_token` when available."""
     if _flops_fwd_per_token is not None:
         return float(_flops_fwd_per_token(cfg, mode, vocab_size=vocab_size,
                                           seq_length=seq_length))

@@ -52,7 +52,7 @@ class LayoutSpec:
 
 def model_config(spec: LayoutSpec):
     """(RunConfig, BoostTransformerConfig) of a layout; raises ValueError for a bad one."""
-    from megatron_boost.arguments import RunConfig, ModelConfig, to_transformer_config
+    from megatron_boost.config.run import RunConfig, ModelConfig, to_transformer_config
 
     cfg = RunConfig()
     cfg.model = ModelConfig(**{**asdict(ModelConfig()), **spec.model})
@@ -89,8 +89,8 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
     With it: return the worst relative differences against it."""
     from megatron.core import parallel_state
 
-    from megatron_boost.model import padded_vocab_size, sharded_params
-    from megatron_boost.training import (build_ddp_model, build_optimizer, initialize_parallel,
+    from megatron_boost.model.gpt import padded_vocab_size, sharded_params
+    from megatron_boost.train.step import (build_ddp_model, build_optimizer, initialize_parallel,
                                          make_forward_step, train_step)
 
     cfg, config = model_config(spec)
@@ -177,9 +177,9 @@ def model_collectives(rank: int, world: int, spec: LayoutSpec):
     a list of (direction, kind, width, numel) in issue order."""
     from megatron.core import parallel_state
 
-    from megatron_boost import comm
-    from megatron_boost.model import padded_vocab_size
-    from megatron_boost.training import build_ddp_model, initialize_parallel
+    from megatron_boost.parallel import mappings as comm
+    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.train.step import build_ddp_model, initialize_parallel
 
     cfg, config = model_config(spec)
     initialize_parallel(spec.tp, 1, None, spec.seed)

@@ -4,7 +4,7 @@
     python pretrain_lowrank.py --config configs/debug.yaml        # one process, no torchrun
 
 megatron-core has no training loop; this module is ours, built from megatron-core pieces
-(``megatron_boost.training``): DDP, the megatron optimizer, ``OptimizerParamScheduler``,
+(``megatron_boost.train.step``): DDP, the megatron optimizer, ``OptimizerParamScheduler``,
 the num-microbatches calculator, the pipeline schedules and ``dist_checkpointing``.
 
 Run directory (``logging.run_dir``):
@@ -346,7 +346,7 @@ def _rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state(),
              "tracker": get_cuda_rng_tracker().get_states()}
-    from megatron_boost.cpu_mode import is_cpu_mode
+    from megatron_boost.runtime.cpu_mode import is_cpu_mode
 
     if torch.cuda.is_available() and not is_cpu_mode():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -604,7 +604,7 @@ def _init_distributed(device: str):
     if "RANK" not in os.environ:  # plain `python pretrain_lowrank.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        from megatron_boost.spawn import free_port
+        from megatron_boost.runtime.spawn import free_port
 
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device == "cuda":
@@ -618,14 +618,14 @@ def _init_distributed(device: str):
 
 
 def train(cfg) -> int:
-    """Run (or resume) the training described by a :class:`~megatron_boost.arguments.RunConfig`.
+    """Run (or resume) the training described by a :class:`~megatron_boost.config.run.RunConfig`.
     Returns the process exit status."""
     # ---- checks that need no process group (fail fast, identically on every rank) -------
     cfg.data.validate()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     plan = check_run_config(cfg, world_size)
 
-    from megatron_boost.cpu_mode import maybe_use_cpu
+    from megatron_boost.runtime.cpu_mode import maybe_use_cpu
 
     try:
         device = maybe_use_cpu(cfg.training.device)
@@ -643,12 +643,12 @@ def train(cfg) -> int:
     )
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_boost import comm
-    from megatron_boost.arguments import to_transformer_config
-    from megatron_boost.data import build_gpt_datasets, build_tokenizer, get_batch
-    from megatron_boost.flops import flops_per_token, peak_tflops
-    from megatron_boost.model import padded_vocab_size
-    from megatron_boost.training import (
+    from megatron_boost.parallel import mappings as comm
+    from megatron_boost.config.run import to_transformer_config
+    from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
+    from megatron_boost.analysis.flops import flops_per_token, peak_tflops
+    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.train.step import (
         build_ddp_model,
         build_optimizer,
         eval_step,
@@ -903,7 +903,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: parse, load the config, train. ``ValueError`` → ``error: ...`` + exit 2."""
     args = parse_args(argv)
     try:
-        from megatron_boost.arguments import load_run_config
+        from megatron_boost.config.run import load_run_config
 
         cfg = load_run_config(args.config, args.overrides)
         return train(cfg)

@@ -334,7 +334,7 @@ class ModelShape:
 
     @classmethod
     def from_model_config(cls, m, name: str = "config") -> "ModelShape":
-        """From ``megatron_boost.arguments.ModelConfig`` (or anything with its fields)."""
+        """From ``megatron_boost.config.run.ModelConfig`` (or anything with its fields)."""
         attn_rank, mlp_rank = m.resolved_ranks()
         return cls(name=name, num_layers=m.num_layers, hidden=m.hidden_size,
                    ffn=m.ffn_hidden_size, heads=m.num_attention_heads,
@@ -1049,7 +1049,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="perf_model.py",
         description="Predict iteration time, per-GPU memory and communication of full / naive / "
                     "boost training on a GPU cluster (analytical roofline + alpha-beta model).")
-    ap.add_argument("--config", help="YAML run config (megatron_boost.arguments); model shape, "
+    ap.add_argument("--config", help="YAML run config (megatron_boost.config.run); model shape, "
                                      "parallel layout and batch sizes are read from it")
     ap.add_argument("--gpus", type=int, help="GPUs in the cluster (default: tp·pp·dp of the "
                                              "config)")
@@ -1075,7 +1075,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_config(path: str):
-    from megatron_boost.arguments import load_run_config  # heavy import (torch): lazy
+    from megatron_boost.config.run import load_run_config  # heavy import (torch): lazy
     return load_run_config(path)
 
 

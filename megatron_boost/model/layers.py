@@ -36,8 +36,8 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from megatron_boost import comm
-from megatron_boost.config import BoostTransformerConfig, TPMode, get_bottleneck_activation
+from megatron_boost.parallel import mappings as comm
+from megatron_boost.config.transformer import BoostTransformerConfig, TPMode, get_bottleneck_activation
 
 __all__ = [
     "Projection",

@@ -30,7 +30,7 @@ def _worker(rank, world_size, port, fn, args, queue):
     # One thread per worker: the test machine has two cores and up to four workers.
     torch.set_num_threads(1)
     try:
-        from megatron_boost.cpu_mode import use_cpu
+        from megatron_boost.runtime.cpu_mode import use_cpu
 
         use_cpu(force=True)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -48,9 +48,9 @@ from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
 
-from megatron_boost import comm
-from megatron_boost.config import BoostTransformerConfig, TPMode
-from megatron_boost.layers import (
+from megatron_boost.parallel import mappings as comm
+from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
+from megatron_boost.model.layers import (
     BoostLinearFC1,
     BoostLinearQKV,
     BoostLinearRow,
