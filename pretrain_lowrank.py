@@ -4,16 +4,13 @@
     torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/debug.yaml parallel.tp=2
     python pretrain_lowrank.py --config configs/debug.yaml          # one process
 
-The loop lives in ``megatron_boost/train/loop.py``. The ``__main__`` guard is required:
-dist_checkpointing starts a spawn-method multiprocessing helper that re-imports this file, so
-nothing heavy may run at import time.
+The command line lives in ``megatron_boost/cli/pretrain.py``, the loop in
+``megatron_boost/train/trainer.py``. The ``__main__`` guard is required: dist_checkpointing
+starts a spawn-method multiprocessing helper that re-imports this file, so nothing heavy may
+run at import time (docs/design.md §10.4).
 """
 
-import os
-import sys
-
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import warnings
 
     # Known, harmless warnings of megatron-core / torch on this stack (one per rank each).
@@ -24,6 +21,6 @@ if __name__ == "__main__":
                     "`torch.distributed.reduce_scatter_tensor` is deprecated",
                     "`load_state_dict` is deprecated", "Please use DTensor instead"):
         warnings.filterwarnings("ignore", message=pattern)
-    from megatron_boost.train.loop import main
+    from megatron_boost.cli.pretrain import main
 
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""End-to-end tests of the training loop (pretrain_lowrank.py / megatron_boost/train/loop.py).
+"""End-to-end tests of the training loop (pretrain_lowrank.py / megatron_boost/train/trainer.py).
 
 Every run is a real subprocess (torchrun with 2 gloo ranks, or a plain single process) on
 configs/debug.yaml with mock data, fp32 on CPU, one thread per rank. Runs are shared between
@@ -277,7 +277,7 @@ def test_sigusr1_saves_checkpoint_exits_cleanly_and_resumes(tmp_path):
 
 
 def test_sampler_continues_and_reshards_by_data_parallel_rank():
-    from megatron_boost.train.loop import ConsumedSamplesSampler
+    from megatron_boost.train.sampler import ConsumedSamplesSampler
 
     def take(sampler, n):
         it = iter(sampler)

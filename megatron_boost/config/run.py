@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
+from megatron_boost.config.validation import validate_run_config
 from megatron_boost.data.datasets import DataConfig
 
 __all__ = [
@@ -193,27 +194,10 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
 
-    def validate(self) -> "RunConfig":
-        TPMode.parse(self.parallel.mode)
-        for name in ("tp", "pp"):
-            if getattr(self.parallel, name) < 1:
-                raise ValueError(f"parallel.{name} ({getattr(self.parallel, name)}) must be >= 1")
-        if self.model.num_layers % self.parallel.pp:
-            raise ValueError(
-                f"model.num_layers ({self.model.num_layers}) must be divisible by parallel.pp "
-                f"({self.parallel.pp}) for an even pipeline split; change either")
-        if self.parallel.vpp:
-            per_stage = self.model.num_layers // self.parallel.pp
-            if self.parallel.pp < 2 or per_stage % self.parallel.vpp:
-                raise ValueError(
-                    f"parallel.vpp ({self.parallel.vpp}) needs parallel.pp >= 2 and must divide "
-                    f"the layers per stage ({per_stage}); set parallel.vpp to null or a divisor")
-        if self.training.precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"training.precision ({self.training.precision!r}) must be one of "
-                             f"auto, fp32, bf16")
-        if self.training.recompute not in (None, "selective", "full", "lowrank"):
-            raise ValueError(f"training.recompute ({self.training.recompute!r}) must be null, "
-                             f"selective, full or lowrank")
+    def validate(self, world_size: Optional[int] = None) -> "RunConfig":
+        """Check every run-level rule (``config.validation.validate_run_config``); a
+        ``world_size`` adds the launch rules. Returns self."""
+        validate_run_config(self, world_size)
         return self
 
 
@@ -294,8 +278,10 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, 
     return raw
 
 
-def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunConfig:
-    """Read a YAML run file (or defaults when ``path`` is None), apply overrides, validate."""
+def load_run_config(path: Optional[str], overrides: Sequence[str] = (),
+                    world_size: Optional[int] = None) -> RunConfig:
+    """Read a YAML run file (or defaults when ``path`` is None), apply overrides, validate
+    (with the launch rules when ``world_size`` is given)."""
     raw: Dict[str, Any] = {}
     where = "overrides"
     if path is not None:
@@ -314,7 +300,7 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = ()) -> RunCo
             raise ValueError(f"unknown section '{section}' in {where}; valid sections: "
                              f"{sorted(known)}")
         setattr(cfg, section, _build(type(getattr(cfg, section)), values, section, where))
-    return cfg.validate()
+    return cfg.validate(world_size)
 
 
 def to_transformer_config(cfg: RunConfig, params_dtype: torch.dtype = torch.float32,

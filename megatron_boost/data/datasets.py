@@ -2,9 +2,10 @@
 
 Everything here is a thin layer over ``megatron.core.datasets`` and ``megatron.core.tokenizers``:
 
-* :class:`DataConfig` holds the ``data:`` section and validates it up front, so that a missing
-  ``.bin``/``.idx`` or tokenizer file fails with a message naming the fix instead of a deep
-  traceback from inside Megatron.
+* :class:`DataConfig` holds the ``data:`` section; its ``validate`` (run by the run-level
+  validation at launch, before anything is built) makes a missing ``.bin``/``.idx`` or
+  tokenizer file fail with a message naming the fix instead of a deep traceback from inside
+  Megatron. The builders below expect a validated section.
 * :func:`build_tokenizer` loads a SentencePiece (or Hugging Face) tokenizer as a Megatron
   tokenizer; its ``eod`` id is the SentencePiece ``eos`` id written by
   ``tools/train_tokenizer.py`` and appended by ``tools/preprocess_data.py``.
@@ -230,11 +231,11 @@ def build_tokenizer(data_cfg: DataConfig):
     ``vocab_size``, ``eod`` (the SentencePiece ``eos`` id), ``tokenize`` and ``detokenize``.
     The metadata is passed as a dict rather than written with ``write_metadata``: Megatron keeps
     one ``tokenizer_metadata.json`` per directory, which would clash between two models in the
-    same folder and fails on read-only data directories.
+    same folder and fails on read-only data directories. ``data_cfg`` must be validated
+    (:meth:`DataConfig.validate`).
     """
     from megatron.core.tokenizers import MegatronTokenizer
 
-    data_cfg._validate_tokenizer()
     if not data_cfg.tokenizer_model:
         # Mock data without a tokenizer file: Megatron's null tokenizer uses its last id as EOD.
         return MegatronTokenizer.from_pretrained(
@@ -304,7 +305,8 @@ def build_gpt_datasets(
     count is the minimum to draw (Megatron rounds the train split up to whole epochs); ``None``
     means one epoch. A split with weight 0 (or no separate blend) is returned as ``None``.
 
-    Works without ``torch.distributed`` (single process). With a process group every rank must
+    ``data_cfg`` must be validated (:meth:`DataConfig.validate`). Works without
+    ``torch.distributed`` (single process). With a process group every rank must
     call this: rank 0 builds and caches the indices first, the others then load them.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
@@ -312,7 +314,6 @@ def build_gpt_datasets(
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    data_cfg.validate()
     if seq_length < 1:
         raise ValueError(f"seq_length={seq_length} must be >= 1")
 

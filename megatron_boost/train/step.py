@@ -1,7 +1,7 @@
 """Training-step pieces on megatron-core: parallel state, DDP, optimizer, forward step.
 
 megatron-core ships no training loop. These functions wire its DistributedDataParallel, optimizer
-and pipeline schedules together correctly (MEGATRON_NOTES.md, "Training-loop wiring"):
+and pipeline schedules together correctly (docs/design.md §10.1, §10.3):
 ``finalize_model_grads_func`` is always set (without it there is NO data-parallel gradient
 all-reduce), ``no_sync_func`` / ``grad_sync_func`` with overlapped reduction, ``grad_scale_func``,
 and losses reported as detached clones (the schedules divide the loss in place).
@@ -33,11 +33,8 @@ __all__ = [
 
 def initialize_parallel(tp: int, pp: int, vpp: Optional[int], seed: int) -> int:
     """Create megatron's process groups (torch.distributed must be initialised) and seed the
-    tensor-parallel RNG tracker. Returns the data-parallel size."""
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size ({world}) must be divisible by tp·pp ({tp}·{pp} = "
-                         f"{tp * pp}); launch a multiple of {tp * pp} processes")
+    tensor-parallel RNG tracker. Returns the data-parallel size. The world layout is checked
+    by ``config.validation.ParallelDims`` (and again by megatron itself)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp)
@@ -134,22 +131,20 @@ def _mean_loss(losses) -> Optional[float]:
 
 
 def train_step(forward_step, data_iterators, ddp_chunks, optimizer, num_microbatches: int,
-               seq_length: int, micro_batch_size: int, opt_param_scheduler=None,
-               increment: Optional[int] = None) -> dict:
+               seq_length: int, micro_batch_size: int) -> dict:
     """One optimizer step over ``num_microbatches`` micro-batches per DP rank.
 
-    Returns loss (mean over the global batch; None off the last pipeline stage), grad_norm and
-    whether the update was applied."""
+    Returns loss (mean over the global batch; None off the last pipeline stage) and grad_norm.
+    The caller steps the learning-rate scheduler (before the step: iteration k runs at
+    scheduler step k)."""
     for m in ddp_chunks:
         m.zero_grad_buffer()
     optimizer.zero_grad()
     losses = _run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches,
                            seq_length, micro_batch_size, forward_only=False)
-    ok, grad_norm, _ = optimizer.step()
-    if ok and opt_param_scheduler is not None:
-        opt_param_scheduler.step(increment=increment)
-    return {"loss": _mean_loss(losses), "grad_norm": None if grad_norm is None
-            else float(grad_norm), "update_successful": bool(ok)}
+    _, grad_norm, _ = optimizer.step()
+    return {"loss": _mean_loss(losses),
+            "grad_norm": None if grad_norm is None else float(grad_norm)}
 
 
 def eval_step(forward_step, data_iterators, ddp_chunks, num_microbatches: int,

@@ -1,0 +1,72 @@
+"""``pretrain_lowrank.py`` / ``megatron-boost-pretrain``: parse, validate once, train.
+
+    torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/debug.yaml parallel.tp=2
+    python pretrain_lowrank.py --config configs/debug.yaml        # one process, no torchrun
+
+A ``ValueError`` (configuration, data, layout) ends the process with one line,
+``error: <message>`` on stderr, and exit status 2 (``MBOOST_TRACEBACK=1`` shows the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+__all__ = ["main", "parse_args", "CONFIG_ERROR_EXIT_CODE"]
+
+#: Exit status for configuration / usage errors (``error: ...`` on stderr).
+CONFIG_ERROR_EXIT_CODE = 2
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_lowrank.py",
+        description="Pretrain a low-rank bottleneck LLM (CoLA) with megatron-core and BOOST's "
+                    "bottleneck-aware tensor parallelism.",
+        epilog="Overrides use dotted keys, e.g. parallel.tp=2 training.train_iters=100 "
+               "model.attn_rank=64 (values parsed as YAML). Launch several processes with "
+               "torchrun --nproc_per_node=N.")
+    parser.add_argument("--config", required=True, help="YAML run configuration")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return parser.parse_args(argv)
+
+
+def _select_device(requested: str) -> str:
+    """'cuda' or 'cpu' (CPU mode, docs/design.md §9); before megatron's training modules are
+    imported."""
+    from megatron_boost.runtime.cpu_mode import maybe_use_cpu
+
+    try:
+        return maybe_use_cpu(requested)
+    except RuntimeError as err:  # e.g. device 'cuda' without a usable GPU
+        raise ValueError(str(err)) from None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point: parse, load and validate the config for this launch, train."""
+    args = parse_args(argv)
+    try:
+        from megatron_boost.config.run import load_run_config
+
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+        cfg = load_run_config(args.config, args.overrides, world_size=world_size)
+        device = _select_device(cfg.training.device)
+        from megatron_boost.train.trainer import train
+
+        return train(cfg, device)
+    except ValueError as err:
+        if os.environ.get("MBOOST_TRACEBACK"):
+            raise
+        msg = " ".join(str(err).split()) or type(err).__name__
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR_EXIT_CODE
+    finally:
+        from megatron_boost.train.distributed import shutdown
+
+        shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""Every run-level rule of a :class:`~megatron_boost.config.run.RunConfig`, in one pass.
+
+:func:`validate_run_config` raises ``ValueError`` naming the key, its value and the fix. Without
+a world size (a config read by a tool) it checks the layout and the modes; with one (a launch)
+also the data files, the world layout, the batch split over data-parallel ranks, the budget,
+the learning-rate schedule and the intervals.
+The model-shape rules belong to :class:`~megatron_boost.config.transformer.BoostTransformerConfig`
+(megatron configs validate themselves in ``__post_init__``) and are not repeated here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_boost.config.transformer import TPMode
+
+__all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations"]
+
+_PRECISIONS = ("auto", "fp32", "bf16")
+_RECOMPUTE = (None, "selective", "full", "lowrank")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The launch's factors: world size = tp · pp · dp (dp derived from the world)."""
+
+    tp: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self):
+        model_parallel = self.tp * self.pp
+        if self.world_size % model_parallel:
+            raise ValueError(
+                f"world size ({self.world_size}) must be divisible by parallel.tp × parallel.pp "
+                f"({self.tp} × {self.pp} = {model_parallel}); launch a multiple of "
+                f"{model_parallel} processes (torchrun --nproc_per_node=...)")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+
+def train_iterations(cfg) -> int:
+    """Optimizer steps of a run: from ``training.train_tokens`` when set (it wins over
+    ``train_iters``, whose default is not null), else ``training.train_iters``."""
+    t = cfg.training
+    if t.train_tokens is not None:
+        return max(1, math.ceil(t.train_tokens / (t.global_batch_size * cfg.model.seq_length)))
+    return int(t.train_iters)
+
+
+def lr_decay_iterations(cfg) -> int:
+    """Steps of the cosine decay: ``optimizer.lr_decay_iters``, or the training length."""
+    decay = cfg.optimizer.lr_decay_iters
+    return decay if decay is not None else train_iterations(cfg)
+
+
+def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
+    """Check every run-level rule once. ``world_size``: the number of launched processes; None
+    (a config read by a tool, whose data need not exist here) skips the launch rules."""
+    _check_layout(cfg)
+    _check_modes(cfg)
+    if world_size is None:
+        return
+    cfg.data.validate()
+    _check_launch(cfg, ParallelDims(cfg.parallel.tp, cfg.parallel.pp, world_size))
+    _check_budget(cfg)
+    _check_intervals(cfg)
+
+
+def _check_layout(cfg) -> None:
+    par, layers = cfg.parallel, cfg.model.num_layers
+    TPMode.parse(par.mode)
+    for name in ("tp", "pp"):
+        if getattr(par, name) < 1:
+            raise ValueError(f"parallel.{name} ({getattr(par, name)}) must be >= 1")
+    if layers % par.pp:
+        raise ValueError(
+            f"model.num_layers ({layers}) must be divisible by parallel.pp "
+            f"({par.pp}) for an even pipeline split; change either")
+    if par.vpp:
+        per_stage = layers // par.pp
+        if par.pp < 2 or per_stage % par.vpp:
+            raise ValueError(
+                f"parallel.vpp ({par.vpp}) needs parallel.pp >= 2 and must divide "
+                f"the layers per stage ({per_stage}); set parallel.vpp to null or a divisor")
+
+
+def _check_modes(cfg) -> None:
+    t = cfg.training
+    if t.precision not in _PRECISIONS:
+        raise ValueError(f"training.precision ({t.precision!r}) must be one of "
+                         f"auto, fp32, bf16")
+    if t.recompute not in _RECOMPUTE:
+        raise ValueError(f"training.recompute ({t.recompute!r}) must be null, "
+                         f"selective, full or lowrank")
+
+
+def _check_budget(cfg) -> None:
+    t, o = cfg.training, cfg.optimizer
+    if t.train_tokens is not None and t.train_tokens <= 0:
+        raise ValueError(f"training.train_tokens ({t.train_tokens}) must be positive")
+    if t.train_tokens is None and (t.train_iters is None or t.train_iters <= 0):
+        raise ValueError("set training.train_iters (a positive number of steps) or "
+                         "training.train_tokens (a token budget)")
+    decay = lr_decay_iterations(cfg)
+    if decay < 1:
+        raise ValueError(f"optimizer.lr_decay_iters ({decay}) must be >= 1")
+    if o.warmup_iters < 0 or o.warmup_iters >= decay:
+        raise ValueError(
+            f"optimizer.warmup_iters ({o.warmup_iters}) must be >= 0 and smaller than the "
+            f"decay length ({decay} = optimizer.lr_decay_iters or the number of training "
+            f"iterations)")
+    if o.min_lr > o.lr:
+        raise ValueError(f"optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr})")
+
+
+def _check_intervals(cfg) -> None:
+    eval_interval, save_interval = cfg.training.eval_interval, cfg.checkpoint.save_interval
+    if eval_interval is not None and eval_interval < 1:
+        raise ValueError(f"training.eval_interval ({eval_interval}) must be >= 1")
+    if cfg.logging.log_interval < 1:
+        raise ValueError(f"logging.log_interval ({cfg.logging.log_interval}) must be >= 1")
+    if save_interval is not None and save_interval < 1:
+        raise ValueError(f"checkpoint.save_interval ({save_interval}) must be >= 1 or null")
+
+
+def _check_launch(cfg, dims: ParallelDims) -> None:
+    par, t = cfg.parallel, cfg.training
+    if par.dp is not None and par.dp != dims.dp:
+        raise ValueError(
+            f"parallel.dp ({par.dp}) does not match the launch: world size {dims.world_size} / "
+            f"(tp {dims.tp} × pp {dims.pp}) = {dims.dp}; set parallel.dp to null or {dims.dp}")
+    mbs, gbs, dp = t.micro_batch_size, t.global_batch_size, dims.dp
+    if mbs < 1 or gbs < 1:
+        raise ValueError(f"training.micro_batch_size ({mbs}) and training.global_batch_size "
+                         f"({gbs}) must be >= 1")
+    if gbs % (mbs * dp):
+        raise ValueError(
+            f"training.global_batch_size ({gbs}) must be divisible by "
+            f"training.micro_batch_size × data-parallel size ({mbs} × {dp} = {mbs * dp}); "
+            f"global_batch_size = micro_batch_size × dp × num_microbatches")

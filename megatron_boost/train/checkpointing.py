@@ -1,0 +1,220 @@
+"""Checkpoints with megatron.core.dist_checkpointing (torch_dist backend; docs/design.md §10.4).
+
+``<save>/iter_0000010/`` holds one dist_checkpointing state dict: the model chunks' sharded
+state (``model``, or ``model0``, ``model1`` ... with vpp; the ShardedTensor keys are global, so
+checkpoints move between TP / PP / vpp layouts, docs/design.md §8), the optimizer's (distributed
+optimizer: ``fully_reshardable``, also across DP, docs/design.md §10.5), a per-rank
+``rng_state`` and, written once, the common ``boost_state``: the :class:`TrainState`, the
+scheduler, the layout, the run configuration and the format version. The tracker file
+``latest_checkpointed_iteration.txt`` is written last, by rank 0, after every rank finished, so
+it always names a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from megatron_boost.runtime.cpu_mode import is_cpu_mode
+from megatron_boost.train.megatron_fixes import finish_optimizer_load, prepare_optimizer_load
+from megatron_boost.train.state import TrainState
+
+__all__ = ["TRACKER_FILE", "CHECKPOINT_FORMAT_VERSION", "Resumed", "save_checkpoint",
+           "find_checkpoint", "load_checkpoint", "check_format_version"]
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+#: Version of the checkpoint content; a checkpoint of another version is refused on load.
+CHECKPOINT_FORMAT_VERSION = 1
+
+
+@dataclass
+class Resumed:
+    """What a load restored: the training position, the layout the checkpoint was saved in,
+    and whether the RNG states were restored (same layout only)."""
+
+    state: TrainState
+    saved_layout: dict
+    rng_restored: bool
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _model_keys(n_chunks: int) -> List[str]:
+    return ["model"] if n_chunks == 1 else [f"model{i}" for i in range(n_chunks)]
+
+
+def _model_sharded_state_dict(ddp_chunks) -> dict:
+    # DDP has no sharded_state_dict: use the wrapped module's (Float16Module delegates).
+    return {key: chunk.module.sharded_state_dict()
+            for key, chunk in zip(_model_keys(len(ddp_chunks)), ddp_chunks)}
+
+
+def _optimizer_sharded_state_dict(optimizer, model_sd: dict, distributed: bool,
+                                  is_loading: bool) -> dict:
+    # The default 'fully_sharded_model_space' fails on load ("flattened_range is not
+    # supported"); 'fully_reshardable' gathers the state in model space on DP rank 0 at save
+    # and reshards it on load, across DP, TP and PP changes (docs/design.md §10.5).
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"} if distributed else {}
+    return optimizer.sharded_state_dict(dict(model_sd), is_loading=is_loading,
+                                        metadata=metadata)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available() and not is_cpu_mode():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _layout() -> dict:
+    return {"tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def _rng_sharded_object(state):
+    lay = _layout()
+    return ShardedObject(
+        "rng_state", state, (lay["pp"], lay["tp"], lay["dp"]),
+        (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+         ps.get_data_parallel_rank()), replica_id=0)
+
+
+def save_checkpoint(save_dir: str, state: TrainState, ddp_chunks, optimizer, scheduler,
+                    run_cfg) -> str:
+    """Save a complete checkpoint of ``state.iteration`` under ``<save_dir>/iter_XXXXXXX/``
+    and point the tracker file at it. Returns the checkpoint directory."""
+    distributed = run_cfg.parallel.use_distributed_optimizer
+    path = Path(save_dir) / iter_dir_name(state.iteration)
+    if dist.get_rank() == 0:
+        if path.exists():  # a partial save of an earlier, interrupted attempt
+            shutil.rmtree(path)
+        path.mkdir(parents=True, exist_ok=True)  # dist_checkpointing needs it (§10.4)
+    dist.barrier()
+    sd = _model_sharded_state_dict(ddp_chunks)
+    sd["optimizer"] = _optimizer_sharded_state_dict(optimizer, sd, distributed, False)
+    sd["rng_state"] = _rng_sharded_object(_rng_state())
+    sd["boost_state"] = {
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+        **state.state_dict(),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "layout": _layout(),
+        "mode": str(run_cfg.parallel.mode),
+        "use_distributed_optimizer": bool(distributed),
+        "run_config": dataclasses.asdict(run_cfg),
+    }
+    dist_checkpointing.save(sd, str(path))
+    dist.barrier()  # every rank's shards are on disk
+    if dist.get_rank() == 0:
+        _write_tracker(Path(save_dir), state.iteration)
+    dist.barrier()
+    return str(path)
+
+
+def _write_tracker(save_dir: Path, iteration: int) -> None:
+    tracker = save_dir / TRACKER_FILE
+    tmp = tracker.with_suffix(".tmp")
+    tmp.write_text(f"{iteration}\n")
+    os.replace(tmp, tracker)  # atomic: the tracker never names a half-written iteration
+
+
+def find_checkpoint(load: Optional[str]) -> Optional[Path]:
+    """The checkpoint directory to resume from: ``load`` itself if it is a checkpoint
+    (``iter_XXXXXXX``, has metadata.json), else the iteration named by its tracker file;
+    None if there is none."""
+    if not load:
+        return None
+    p = Path(load)
+    if (p / "metadata.json").is_file():
+        return p
+    tracker = p / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise ValueError(f"{tracker} does not hold an iteration number ({text!r})") from None
+    ckpt = p / iter_dir_name(iteration)
+    if not (ckpt / "metadata.json").is_file():
+        raise ValueError(f"{tracker} names iteration {iteration} but {ckpt} is not a complete "
+                         f"checkpoint")
+    return ckpt
+
+
+def check_format_version(saved: dict, ckpt_dir) -> None:
+    """Refuse a checkpoint whose ``boost_state`` has another format version."""
+    version = saved.get("format_version")
+    if version != CHECKPOINT_FORMAT_VERSION:
+        raise ValueError(f"checkpoint {ckpt_dir} has format version {version}; this "
+                         f"megatron-boost reads format version {CHECKPOINT_FORMAT_VERSION}")
+
+
+def _read_saved_state(ckpt_dir: Path, load_optim: bool, distributed: bool) -> dict:
+    """The checkpoint's ``boost_state``, checked against this run."""
+    saved = dist_checkpointing.load_common_state_dict(str(ckpt_dir)).get("boost_state")
+    if saved is None:
+        raise ValueError(f"{ckpt_dir} is not a megatron-boost checkpoint (no boost_state)")
+    check_format_version(saved, ckpt_dir)
+    if load_optim and bool(saved.get("use_distributed_optimizer")) != distributed:
+        raise ValueError(
+            f"checkpoint {ckpt_dir} was saved with parallel.use_distributed_optimizer="
+            f"{saved.get('use_distributed_optimizer')}; resume with the same setting or set "
+            f"checkpoint.no_load_optim=true (weights only, fresh optimizer state)")
+    return saved
+
+
+def load_checkpoint(ckpt_dir: Path, ddp_chunks, optimizer, scheduler, run_cfg) -> Resumed:
+    """Load a checkpoint written by :func:`save_checkpoint` into this (possibly different)
+    layout. The model and optimizer state reshard to any TP / PP / vpp (and, with the
+    distributed optimizer, DP) layout; ``checkpoint.no_load_optim`` keeps a fresh optimizer
+    state. The RNG states load only into the same layout (else the fresh seeding is kept)."""
+    distributed = run_cfg.parallel.use_distributed_optimizer
+    load_optim = not run_cfg.checkpoint.no_load_optim
+    saved = _read_saved_state(ckpt_dir, load_optim, distributed)
+    sd = _model_sharded_state_dict(ddp_chunks)
+    if load_optim:
+        prepare_optimizer_load(optimizer, distributed)
+        sd["optimizer"] = _optimizer_sharded_state_dict(optimizer, sd, distributed, True)
+    same_layout = saved.get("layout") == _layout()
+    if same_layout:
+        sd["rng_state"] = _rng_sharded_object(None)
+    loaded = dist_checkpointing.load(sd, str(ckpt_dir))
+    for key, chunk in zip(_model_keys(len(ddp_chunks)), ddp_chunks):
+        chunk.module.load_state_dict(loaded[key], strict=True)
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        finish_optimizer_load(optimizer)
+    elif hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # main (fp32) params from the loaded weights
+    scheduler.load_state_dict(saved["opt_param_scheduler"])
+    if same_layout and loaded.get("rng_state") is not None:
+        _set_rng_state(loaded["rng_state"])
+    return Resumed(TrainState.from_state_dict(saved), saved.get("layout", {}), same_layout)

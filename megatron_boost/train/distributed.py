@@ -1,0 +1,59 @@
+"""torch.distributed process group of a run: init (also for a plain one-process launch),
+rank-0 printing, the last-stage broadcast used for logging, and shutdown."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+__all__ = ["init_distributed", "shutdown", "print0", "broadcast_from_last_stage"]
+
+
+def init_distributed(device: str) -> None:
+    """Join the process group torchrun describes (nccl on GPU, gloo on CPU); without torchrun
+    (``python pretrain_lowrank.py``), a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        from megatron_boost.runtime.spawn import free_port
+
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                timeout=datetime.timedelta(minutes=30))
+
+
+def shutdown() -> None:
+    """Destroy megatron's groups and the process group (best effort, at exit)."""
+    try:
+        if dist.is_initialized():
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+    except Exception:  # pragma: no cover - best effort at exit
+        pass
+
+
+def print0(*args, **kwargs) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def broadcast_from_last_stage(value: Optional[float], device) -> Optional[float]:
+    """Hand a value that lives on the last pipeline stage to every rank of the pipeline
+    group (so rank 0, on the first stage, can log it)."""
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    t = torch.tensor([float("nan") if value is None else value], dtype=torch.float64,
+                     device=device)
+    dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
+                   group=ps.get_pipeline_model_parallel_group())
+    out = float(t.item())
+    return None if math.isnan(out) else out

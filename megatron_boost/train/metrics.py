@@ -1,0 +1,154 @@
+"""What a run reports: the log-window accumulator, the console lines, metrics.jsonl and
+TensorBoard.
+
+``metrics.jsonl`` has one JSON object per logged iteration: ``iteration``, ``tokens``
+(consumed), ``loss`` (mean training loss over the log window), ``lr``, ``grad_norm``,
+``tokens_per_s``, ``tflops`` (achieved model TFLOP/s per device, ``analysis/flops.py``),
+``mfu`` (null without a known peak), ``tp_comm_bytes`` (bytes this rank handed to tensor-parallel
+collectives in the last step, forward and backward; docs/design.md §5), ``peak_mem_bytes``,
+``step_time_s``; evaluations add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on
+resume the records after the resumed iteration are dropped, so the file is one trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LogWindow", "MetricsWriter", "peak_memory_bytes", "format_log_line",
+           "format_validation_line", "validation_perplexity"]
+
+
+@dataclass
+class LogWindow:
+    """Sums over the steps since the last log line (one reset)."""
+
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    steps: int = 0
+
+    def add(self, loss: Optional[float], seconds: float, tokens: int) -> None:
+        """One step; ``loss`` is None off the last pipeline stage."""
+        self.seconds += seconds
+        self.tokens += tokens
+        self.steps += 1
+        if loss is not None:
+            self.loss_sum += loss
+            self.loss_count += 1
+
+    def mean_loss(self) -> Optional[float]:
+        return self.loss_sum / self.loss_count if self.loss_count else None
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def step_time_s(self) -> float:
+        return self.seconds / max(1, self.steps)
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+def validation_perplexity(val_loss: Optional[float]) -> Optional[float]:
+    return math.exp(min(val_loss, 700.0)) if val_loss is not None else None  # no overflow
+
+
+def peak_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    # Linux reports ru_maxrss in KiB (macOS in bytes).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def format_log_line(record: dict, train_iters: int) -> str:
+    """The console line of a metrics record."""
+    mfu = "n/a" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+    return (f"iter {record['iteration']:>6}/{train_iters} | tokens {record['tokens']:>12,} | "
+            f"loss {_fmt(record['loss'], '.4f')} | lr {record['lr']:.3e} | grad_norm "
+            f"{_fmt(record['grad_norm'], '.3f')} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"{record['tflops']:.3g} TFLOP/s/dev | MFU {mfu} | "
+            f"tp_comm {_fmt_bytes(record['tp_comm_bytes'])}/step | peak mem "
+            f"{_fmt_bytes(record['peak_mem_bytes'])}")
+
+
+def format_validation_line(record: dict, seconds: float) -> str:
+    return (f"  validation @ {record['iteration']}: val_loss {_fmt(record['val_loss'], '.4f')} "
+            f"| val_ppl {_fmt(record['val_ppl'], '.2f')} ({seconds:.1f}s)")
+
+
+class MetricsWriter:
+    """metrics.jsonl (+ optional TensorBoard) on global rank 0."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, resume_iteration: int):
+        self.enabled = not dist.is_initialized() or dist.get_rank() == 0
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if not self.enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            self._truncate_after(resume_iteration)
+        if tensorboard:
+            self.tb = _summary_writer(run_dir / "tensorboard")
+
+    def _truncate_after(self, iteration: int) -> None:
+        """Keep only what precedes the resumed iteration: one trajectory per file."""
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("iteration", 0) <= iteration:
+                kept.append(line)
+        self.path.write_text("".join(k + "\n" for k in kept))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, (int, float)) \
+                        and not isinstance(value, bool):
+                    self.tb.add_scalar(key, value, record["iteration"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _summary_writer(log_dir: Path):
+    """A TensorBoard SummaryWriter, or None when the optional tensorboard package is absent."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("notice: tensorboard is not installed; skipping TensorBoard logging "
+              "(pip install tensorboard, or set logging.tensorboard=false)", flush=True)
+        return None
+    return SummaryWriter(log_dir=str(log_dir))

@@ -1,0 +1,345 @@
+"""The pretraining loop (entry point: ``pretrain_lowrank.py``, ``megatron_boost/cli/pretrain.py``).
+
+megatron-core has no training loop; this one is built from its pieces (``train/step.py``: DDP,
+the megatron optimizer, the pipeline schedules), ``OptimizerParamScheduler``, the
+num-microbatches calculator and ``dist_checkpointing`` (``train/checkpointing.py``). As in
+megatron's ``training.py``, :meth:`Trainer.train` is a loop of named phases: train step,
+training log (with evaluation), checkpoint and decide exit.
+
+Learning rate: linear warmup over ``optimizer.warmup_iters``, then cosine decay to
+``optimizer.min_lr`` at ``optimizer.lr_decay_iters`` (default: the training length). Iteration
+k (1-based) runs with the scheduler at step k, so the first update uses lr/warmup (not 0) and the
+last one min_lr. On resume the configuration wins for every schedule parameter
+(``override_opt_param_scheduler``); only the step count comes from the checkpoint.
+
+Run directory (``logging.run_dir``): ``metrics.jsonl`` and ``tensorboard/``
+(``train/metrics.py``), ``checkpoints/`` (default ``checkpoint.save``; a run resumes from the
+checkpoint named there, or from ``checkpoint.load``) and ``config.yaml``, the resolved
+configuration. Pre-emption (SIGTERM, SIGUSR1; ``train/preemption.py``): all ranks agree at the
+next step boundary, save, print ``pre-emption signal received, checkpoint saved at iteration
+N`` and exit with status 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+from megatron.core import parallel_state as ps
+from megatron.core.num_microbatches_calculator import (
+    destroy_num_microbatches_calculator,
+    get_num_microbatches,
+    init_num_microbatches_calculator,
+)
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_boost.analysis.flops import flops_per_token, peak_tflops
+from megatron_boost.config.run import to_transformer_config
+from megatron_boost.config.validation import lr_decay_iterations, train_iterations
+from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
+from megatron_boost.model.gpt import padded_vocab_size
+from megatron_boost.parallel import mappings as comm
+from megatron_boost.train import step
+from megatron_boost.train.checkpointing import (
+    TRACKER_FILE,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron_boost.train.distributed import broadcast_from_last_stage, init_distributed, print0
+from megatron_boost.train.metrics import (
+    LogWindow,
+    MetricsWriter,
+    format_log_line,
+    format_validation_line,
+    peak_memory_bytes,
+    validation_perplexity,
+)
+from megatron_boost.train.preemption import (
+    PREEMPT_EXIT_CODE,
+    install_signal_handlers,
+    preemption_agreed,
+    signal_name,
+)
+from megatron_boost.train.sampler import make_data_iterator
+from megatron_boost.train.state import TrainState
+
+__all__ = ["train", "Trainer"]
+
+
+def train(cfg, device: str) -> int:
+    """Run (or resume) the training of ``cfg``, a RunConfig validated for this launch
+    (``RunConfig.validate(world_size)``), on ``device`` ('cuda' or 'cpu'). Returns the exit
+    status."""
+    init_distributed(device)
+    install_signal_handlers()
+    try:
+        return Trainer(cfg, device).train()
+    finally:
+        destroy_num_microbatches_calculator()
+
+
+class Trainer:
+    """One run: set up in the constructor (process groups, model, optimizer, resume, data),
+    then :meth:`train`."""
+
+    def __init__(self, cfg, device: str):
+        self.cfg, self.device = cfg, device
+        self.t_start = time.perf_counter()
+        self.train_iters = train_iterations(cfg)
+        self.dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
+            else torch.device("cpu")
+        self._init_parallel()
+        self._prepare_run_dir()
+        self._build_model()
+        self.state, self.last_saved = self._resume()
+        self._build_data()
+        self.flops_per_token = flops_per_token(cfg, cfg.parallel.mode,
+                                               vocab_size=self.padded_vocab)
+        self.peak = peak_tflops(cfg.logging.peak_tflops, device)
+        self.window = LogWindow()
+        self.last_validation = None  # (iteration, val_loss, val_ppl)
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def _init_parallel(self) -> None:
+        t, par = self.cfg.training, self.cfg.parallel
+        random.seed(t.seed)
+        np.random.seed(t.seed)
+        torch.manual_seed(t.seed)
+        self.dp = step.initialize_parallel(par.tp, par.pp, par.vpp, t.seed)
+        init_num_microbatches_calculator(dist.get_rank(), None, t.global_batch_size,
+                                         t.micro_batch_size, self.dp)
+        self.num_microbatches = get_num_microbatches()
+
+    def _prepare_run_dir(self) -> None:
+        cfg = self.cfg
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.save_dir = cfg.checkpoint.save or str(self.run_dir / "checkpoints")
+        if dist.get_rank() == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            Path(self.save_dir).mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(
+                yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+
+    def _precision(self) -> str:
+        precision = self.cfg.training.precision
+        if precision == "auto":
+            return "bf16" if self.device == "cuda" else "fp32"
+        return precision
+
+    def _build_model(self) -> None:
+        cfg, par, o = self.cfg, self.cfg.parallel, self.cfg.optimizer
+        self.data_cfg = dataclasses.replace(cfg.data)
+        if self.data_cfg.mock and not self.data_cfg.tokenizer_model:
+            self.data_cfg.mock_vocab_size = cfg.model.vocab_size
+        self.tokenizer = build_tokenizer(self.data_cfg)
+        self.vocab = int(self.tokenizer.vocab_size) if self.data_cfg.tokenizer_model \
+            else cfg.model.vocab_size
+        self.padded_vocab = padded_vocab_size(self.vocab, par.tp)
+        params_dtype = torch.bfloat16 if self._precision() == "bf16" else torch.float32
+        config = to_transformer_config(cfg, params_dtype)
+        self.model = step.build_ddp_model(
+            config, self.padded_vocab, cfg.model.seq_length, cfg.training.seed,
+            overlap_grad_reduce=par.overlap_grad_reduce,
+            use_distributed_optimizer=par.use_distributed_optimizer,
+            rotary_base=cfg.model.rotary_base)
+        self.optimizer = step.build_optimizer(
+            config, self.model, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, use_distributed_optimizer=par.use_distributed_optimizer)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_iters, lr_decay_steps=lr_decay_iterations(cfg),
+            lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=max(self.train_iters, 1), wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+        self._print_banner()
+
+    def _print_banner(self) -> None:
+        cfg, par, t = self.cfg, self.cfg.parallel, self.cfg.training
+        m, gbs, seq = cfg.model, t.global_batch_size, cfg.model.seq_length
+        n_params = sum(p.numel() for c in self.model for p in c.module.parameters())
+        print0(f"megatron-boost: mode={par.mode} tp={par.tp} pp={par.pp} vpp={par.vpp} "
+               f"dp={self.dp} world={dist.get_world_size()} device={self.device} "
+               f"precision={self._precision()} | layers={m.num_layers} d={m.hidden_size} "
+               f"f={m.ffn_hidden_size} vocab={self.vocab} (padded {self.padded_vocab}) "
+               f"seq={seq} | params on rank 0: {n_params / 1e6:.2f}M | "
+               f"global batch {gbs} = micro {t.micro_batch_size} × dp {self.dp} × "
+               f"{self.num_microbatches} micro-batches | {self.train_iters} iterations "
+               f"({self.train_iters * gbs * seq:,} tokens)")
+
+    def _resume(self):
+        """The training state and the last saved iteration: from the checkpoint to resume
+        from, if any, else a fresh start."""
+        ck = self.cfg.checkpoint
+        ckpt = find_checkpoint(ck.load or self.save_dir)
+        if ck.load and ckpt is None:
+            raise ValueError(f"checkpoint.load '{ck.load}' holds no checkpoint "
+                             f"(no {TRACKER_FILE} and no metadata.json)")
+        if ckpt is None:
+            return TrainState(), None
+        t0 = time.perf_counter()
+        resumed = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.cfg)
+        s, lay = resumed.state, resumed.saved_layout
+        print0(f"resumed from {ckpt} at iteration {s.iteration} ({s.consumed_samples} samples "
+               f"consumed; saved layout tp={lay.get('tp')} pp={lay.get('pp')} "
+               f"vpp={lay.get('vpp')} dp={lay.get('dp')}; optimizer state "
+               f"{'not ' if ck.no_load_optim else ''}loaded; rng "
+               f"{'restored' if resumed.rng_restored else 'reseeded (layout changed)'}"
+               f") in {time.perf_counter() - t0:.1f}s")
+        return s, s.iteration
+
+    def _build_data(self) -> None:
+        t, seq = self.cfg.training, self.cfg.model.seq_length
+        self.eval_iters = t.eval_iters or 0
+        self.train_ds, self.valid_ds, _ = build_gpt_datasets(
+            self.data_cfg, self.tokenizer, seq, t.seed,
+            train_samples=self.train_iters * t.global_batch_size,
+            valid_samples=max(self.eval_iters, 1) * t.global_batch_size, test_samples=None)
+        if self.valid_ds is None or len(self.valid_ds) == 0:
+            self.eval_iters = 0
+        self.forward_step = step.make_forward_step(self._batch_on_device)
+        self.train_iterators = self._iterators(self.train_ds, self.state.consumed_samples, None,
+                                               self.data_cfg.num_workers)
+        self.metrics = MetricsWriter(self.run_dir, self.cfg.logging.tensorboard,
+                                     self.state.iteration)
+
+    def _iterators(self, dataset, start: int, stop: Optional[int], num_workers: int) -> list:
+        # Each virtual pipeline chunk draws the same micro-batches from its own iterator.
+        return [make_data_iterator(dataset, start, self.cfg.training.micro_batch_size, stop,
+                                   num_workers) for _ in self.model]
+
+    def _batch_on_device(self, data_iterator) -> dict:
+        batch = get_batch(data_iterator)
+        return {k: v.to(self.dev, non_blocking=True) for k, v in batch.items()}
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def train(self) -> int:
+        """Train until ``train_iters``; returns the exit status."""
+        start = self.state.iteration
+        if start >= self.train_iters:
+            print0(f"nothing to do: the checkpoint is at iteration {start} >= "
+                   f"{self.train_iters} training iterations")
+        try:
+            while self.state.iteration < self.train_iters:
+                out = self.train_step()
+                self.training_log(out)
+                if self.checkpoint_and_decide_exit():
+                    return PREEMPT_EXIT_CODE
+            if self.state.iteration > start and self.last_saved != self.state.iteration:
+                self.save()
+        finally:
+            self.metrics.close()
+        self.print_summary()
+        return 0
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns loss, grad_norm, lr and tp_comm_bytes of the step."""
+        t = self.cfg.training
+        self.scheduler.step(1)  # iteration k runs at scheduler step k
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self._synchronize()
+        t0 = time.perf_counter()
+        with comm.record_collectives(ps.get_tensor_model_parallel_group()) as comm_log:
+            out = step.train_step(self.forward_step, self.train_iterators, self.model,
+                                  self.optimizer, self.num_microbatches,
+                                  self.cfg.model.seq_length, t.micro_batch_size)
+        self._synchronize()
+        self.window.add(out["loss"], time.perf_counter() - t0,
+                        t.global_batch_size * self.cfg.model.seq_length)
+        self.state.advance(t.global_batch_size)
+        return {**out, "lr": lr, "tp_comm_bytes": comm_log.bytes()}
+
+    def _synchronize(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def training_log(self, out: dict) -> None:
+        """At log and evaluation iterations: one console line and one metrics record over
+        the window since the last one (evaluation adds a validation line)."""
+        it, last = self.state.iteration, self.state.iteration == self.train_iters
+        eval_interval = self.cfg.training.eval_interval
+        do_log = it % self.cfg.logging.log_interval == 0 or last
+        do_eval = self.eval_iters > 0 and (
+            (eval_interval and it % eval_interval == 0) or last)
+        if not (do_log or do_eval):
+            return
+        record = self._metrics_record(out)
+        line = format_log_line(record, self.train_iters)
+        if do_eval:
+            line += "\n" + self.evaluate_and_record(record)
+        print0(line)
+        self.metrics.write(record)
+        self.window.reset()
+
+    def _metrics_record(self, out: dict) -> dict:
+        tokens_per_s = self.window.tokens_per_s()
+        tflops = self.flops_per_token * tokens_per_s / dist.get_world_size() / 1e12
+        return {
+            "iteration": self.state.iteration,
+            "tokens": self.state.consumed_samples * self.cfg.model.seq_length,
+            "loss": broadcast_from_last_stage(self.window.mean_loss(), self.dev),
+            "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
+            "tflops": tflops, "mfu": (tflops / self.peak) if self.peak else None,
+            "tp_comm_bytes": out["tp_comm_bytes"],
+            "peak_mem_bytes": peak_memory_bytes(self.device),
+            "step_time_s": self.window.step_time_s(),
+        }
+
+    def evaluate_and_record(self, record: dict) -> str:
+        """Validation loss and perplexity into ``record``; returns the console line."""
+        t0 = time.perf_counter()
+        record["val_loss"] = self.evaluate()
+        record["val_ppl"] = validation_perplexity(record["val_loss"])
+        self.last_validation = (record["iteration"], record["val_loss"], record["val_ppl"])
+        return format_validation_line(record, time.perf_counter() - t0)
+
+    def evaluate(self) -> Optional[float]:
+        """Mean loss over ``eval_iters`` global batches from the start of the validation split."""
+        t, seq = self.cfg.training, self.cfg.model.seq_length
+        iterators = self._iterators(self.valid_ds, 0, self.eval_iters * t.global_batch_size, 0)
+        losses = [step.eval_step(self.forward_step, iterators, self.model,
+                                 self.num_microbatches, seq, t.micro_batch_size)
+                  for _ in range(self.eval_iters)]
+        local = None if losses[0] is None else sum(losses) / len(losses)
+        return broadcast_from_last_stage(local, self.dev)
+
+    def checkpoint_and_decide_exit(self) -> bool:
+        """Save at the save interval; on an agreed pre-emption signal save (once) and ask the
+        loop to stop."""
+        it, interval = self.state.iteration, self.cfg.checkpoint.save_interval
+        if interval and it % interval == 0:
+            self.save()
+        if it >= self.train_iters or not preemption_agreed(self.dev):
+            return False
+        if self.last_saved != it:
+            self.save()
+        print0(f"pre-emption signal received, checkpoint saved at iteration {it} "
+               f"({signal_name()}; exiting with status {PREEMPT_EXIT_CODE})")
+        return True
+
+    def save(self) -> None:
+        t0 = time.perf_counter()
+        path = save_checkpoint(self.save_dir, self.state, self.model, self.optimizer,
+                               self.scheduler, self.cfg)
+        self.last_saved = self.state.iteration
+        print0(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f}s")
+
+    def print_summary(self) -> None:
+        s, seq = self.state, self.cfg.model.seq_length
+        line = (f"done: {s.iteration} iterations, {s.consumed_samples * seq:,} tokens in "
+                f"{time.perf_counter() - self.t_start:.1f}s")
+        if self.last_validation is not None:
+            it, val_loss, val_ppl = self.last_validation
+            line += (f" | final validation (iteration {it}): val_loss {val_loss:.4f}, "
+                     f"val_ppl {val_ppl:.2f}")
+        print0(line)
