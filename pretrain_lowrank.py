@@ -15,7 +15,8 @@ if __name__ == "__main__":
 
     # Known, harmless warnings of megatron-core / torch on this stack (one per rank each).
     for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                    "full scope is deprecated", "The .grad attribute of a Tensor that is not a leaf",
+                    "full scope is deprecated",
+                    "The .grad attribute of a Tensor that is not a leaf",
                     "When using async grad allreduce it is recommended",
                     "`torch.distributed.all_gather_into_tensor` is deprecated",
                     "`torch.distributed.reduce_scatter_tensor` is deprecated",

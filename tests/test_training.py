@@ -313,3 +313,22 @@ def test_flops_per_token_formula():
     assert flops_per_token(cfg, "boost") == 3 * expect_low
     assert forward_flops_per_token(cfg.model, "boost", causal=True) == expect_low - L * core / 2
     assert peak_tflops(None, "cpu") is None and peak_tflops(123.0, "cpu") == 123.0
+
+
+def test_checkpoint_of_another_format_version_is_refused():
+    from megatron_boost.train.checkpointing import CHECKPOINT_FORMAT_VERSION, check_format_version
+
+    check_format_version({"format_version": CHECKPOINT_FORMAT_VERSION}, "iter_0000003")
+    with pytest.raises(ValueError, match=r"iter_0000003 has format version 0; this megatron-boost "
+                                         rf"reads format version {CHECKPOINT_FORMAT_VERSION}"):
+        check_format_version({"format_version": 0}, "iter_0000003")
+
+
+def test_optimizer_reload_fixes_refuse_an_untested_megatron(monkeypatch):
+    import megatron.core
+
+    from megatron_boost.train import megatron_fixes
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+    with pytest.raises(RuntimeError, match=r"megatron-core 0\.17\.0: .* verified for "):
+        megatron_fixes.prepare_optimizer_load(object(), use_distributed_optimizer=True)

@@ -331,7 +331,7 @@ def to_transformer_config(cfg: RunConfig, params_dtype: torch.dtype = torch.floa
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
         # Interleaved pipelines with batched p2p give silently wrong results at PP=2 on gloo
-        # (MEGATRON_NOTES.md); unbatched p2p is correct everywhere, so it is used with vpp.
+        # (docs/design.md §10.6); unbatched p2p is correct everywhere, so it is used with vpp.
         batch_p2p_comm=not par.vpp,
     )
     kwargs.update(extra)

@@ -25,7 +25,7 @@ __all__ = [
 
 
 class TPMode(str, enum.Enum):
-    """How a decoder is tensor-parallelised (DESIGN.md section 2)."""
+    """How a decoder is tensor-parallelised (docs/design.md §2)."""
 
     FULL = "full"
     """Full-rank model, megatron-core's own column/row-parallel TP (baseline 1)."""
@@ -122,21 +122,36 @@ class BoostTransformerConfig(TransformerConfig):
             raise ValueError(
                 "recompute 'lowrank' (low-rank activation checkpointing) applies to the naive "
                 "and boost modes; for the full-rank model use recompute 'selective' or 'full'")
+        if self.tp_mode.is_lowrank:
+            self._check_bottlenecks()
+        self._check_tp_split()
+        if self.tp_mode.is_lowrank:
+            # CoLA's MLP: gate(x) ⊙ up(x) with the non-linearity inside the bottlenecks only,
+            # unless the extra gate SiLU is asked for.
+            self.gated_linear_unit = True
+            self.activation_func = F.silu if self.mlp_gate_activation else _identity
+            self.bias_activation_fusion = False
+        super().__post_init__()
+
+    def _check_bottlenecks(self) -> None:
+        """The activation and both ranks of the bottleneck model (naive and boost modes)."""
+        get_bottleneck_activation(self.bottleneck_activation)
+        for name in ("attn_rank", "mlp_rank"):
+            value = getattr(self, name)
+            if value is None or int(value) <= 0:
+                raise ValueError(
+                    f"{name} ({value}) must be a positive integer in {self.tp_mode.value} "
+                    f"mode; set model.{name} (CoLA uses about hidden_size/4)")
+            if value > self.hidden_size:
+                raise ValueError(
+                    f"{name} ({value}) must not exceed hidden_size ({self.hidden_size}): a "
+                    f"bottleneck wider than the layer it factorises saves nothing")
+
+    def _check_tp_split(self) -> None:
+        """Every dimension the mode shards must divide by the tensor-parallel size."""
         tp = self.tensor_model_parallel_size
         heads = self.num_attention_heads
         groups = self.num_query_groups if self.num_query_groups is not None else heads
-        if self.tp_mode.is_lowrank:
-            get_bottleneck_activation(self.bottleneck_activation)
-            for name in ("attn_rank", "mlp_rank"):
-                value = getattr(self, name)
-                if value is None or int(value) <= 0:
-                    raise ValueError(
-                        f"{name} ({value}) must be a positive integer in {self.tp_mode.value} "
-                        f"mode; set model.{name} (CoLA uses about hidden_size/4)")
-                if value > self.hidden_size:
-                    raise ValueError(
-                        f"{name} ({value}) must not exceed hidden_size ({self.hidden_size}): a "
-                        f"bottleneck wider than the layer it factorises saves nothing")
         if self.tp_mode is TPMode.NAIVE:
             # A is column-parallel over the rank dimension (local r/tp rows).
             for name in ("attn_rank", "mlp_rank"):
@@ -146,13 +161,12 @@ class BoostTransformerConfig(TransformerConfig):
                         f"{name} ({value}) must be divisible by tensor_model_parallel_size "
                         f"({tp}) in naive mode (A is split along the rank); choose a multiple "
                         f"of {tp}")
-        if self.tp_mode is TPMode.BOOST:
-            # The residual stream is sharded along the hidden dimension (DESIGN.md 2, boost).
-            if self.hidden_size % tp:
-                raise ValueError(
-                    f"hidden_size ({self.hidden_size}) must be divisible by "
-                    f"tensor_model_parallel_size ({tp}) in boost mode: the residual stream is "
-                    f"sharded along the hidden dimension")
+        if self.tp_mode is TPMode.BOOST and self.hidden_size % tp:
+            # The residual stream is sharded along the hidden dimension (docs/design.md §2).
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by "
+                f"tensor_model_parallel_size ({tp}) in boost mode: the residual stream is "
+                f"sharded along the hidden dimension")
         if self.tp_mode in (TPMode.BOOST, TPMode.FULL):
             if self.ffn_hidden_size is not None and self.ffn_hidden_size % tp:
                 raise ValueError(
@@ -170,11 +184,3 @@ class BoostTransformerConfig(TransformerConfig):
         if heads % groups:
             raise ValueError(
                 f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
-        if self.tp_mode.is_lowrank:
-            # CoLA's MLP: gate(x) ⊙ up(x) with the non-linearity inside the bottlenecks only,
-            # unless the extra gate SiLU is asked for.
-            self.gated_linear_unit = True
-            self.activation_func = F.silu if self.mlp_gate_activation else _identity
-            self.bias_activation_fusion = False
-        super().__post_init__()
-
