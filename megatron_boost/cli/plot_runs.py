@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron_boost.cli.summarize_run import load_metrics
+from megatron_boost.cli.summarize_run import add_run_arguments, load_metrics, run_labels
 
 
 def series(records: list[dict], x_key: str, y_key: str) -> tuple[list, list]:
@@ -30,11 +30,8 @@ def series(records: list[dict], x_key: str, y_key: str) -> tuple[list, list]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run directories containing metrics.jsonl")
+    add_run_arguments(parser, "legend labels")
     parser.add_argument("--out", default="curves.png", help="output image (png, pdf, svg)")
-    parser.add_argument(
-        "--labels", nargs="+", help="legend labels, one per run (default: dir name)"
-    )
     parser.add_argument("--title", default=None, help="figure title")
     return parser.parse_args(argv)
 
@@ -68,13 +65,7 @@ def draw(plt, runs: list[list[dict]], labels: list[str], title: str | None, out:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.labels is not None and len(args.labels) != len(args.runs):
-        raise SystemExit(
-            f"plot_runs.py: error: {len(args.labels)} --labels for {len(args.runs)} runs; give "
-            f"one label per run or none"
-        )
-
-    labels = args.labels or [os.path.basename(os.path.normpath(r)) for r in args.runs]
+    labels = run_labels(args, "plot_runs.py")
     # Read every run before the (slow) matplotlib import so a bad run fails fast.
     runs = [load_metrics(r, "plot_runs.py") for r in args.runs]
     try:

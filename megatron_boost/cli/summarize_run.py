@@ -1,7 +1,8 @@
 """Summarize training runs from their ``metrics.jsonl``.
 
     megatron-boost-summarize-run runs/demo-shakespeare --valid-set "held-out plays"
-    megatron-boost-summarize-run --table runs/x-full runs/x-naive runs/x-boost --labels full naive boost
+    megatron-boost-summarize-run --table runs/x-full runs/x-naive runs/x-boost \\
+        --labels full naive boost
 
 (or ``python tools/summarize_run.py`` with the same arguments)
 
@@ -46,6 +47,26 @@ def load_metrics(run_dir: str, prog: str = PROG) -> list[dict]:
     if not records:
         raise SystemExit(f"{prog}: error: {path} is empty; the run logged no metrics yet")
     return records
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, labels_help: str) -> None:
+    """The positional run directories and their optional ``--labels``."""
+    parser.add_argument("runs", nargs="+", help="run directories containing metrics.jsonl")
+    parser.add_argument(
+        "--labels", nargs="+", help=f"{labels_help}, one per run (default: dir name)"
+    )
+
+
+def run_labels(args: argparse.Namespace, prog: str = PROG) -> list[str]:
+    """``--labels`` (one per run, checked) or the runs' directory names."""
+    if args.labels is None:
+        return [os.path.basename(os.path.normpath(r)) for r in args.runs]
+    if len(args.labels) != len(args.runs):
+        raise SystemExit(
+            f"{prog}: error: {len(args.labels)} --labels for {len(args.runs)} runs; give one "
+            f"label per run or none"
+        )
+    return args.labels
 
 
 def split_records(run_dir: str) -> tuple[list[dict], list[dict]]:
@@ -106,11 +127,8 @@ def table_row(run_dir: str, label: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", help="run directories containing metrics.jsonl")
+    add_run_arguments(parser, "--table row labels")
     parser.add_argument("--table", action="store_true", help="one table row per run")
-    parser.add_argument(
-        "--labels", nargs="+", help="--table row labels, one per run (default: dir name)"
-    )
     parser.add_argument(
         "--valid-set", default="held-out data", help="name of the validation data in the summary"
     )
@@ -119,13 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.labels is not None and len(args.labels) != len(args.runs):
-        raise SystemExit(
-            f"{PROG}: error: {len(args.labels)} --labels for {len(args.runs)} runs; give one "
-            f"label per run or none"
-        )
+    labels = run_labels(args)
     if args.table:
-        labels = args.labels or [os.path.basename(os.path.normpath(r)) for r in args.runs]
         lines = [TABLE_HEADER] + [table_row(r, label) for r, label in zip(args.runs, labels)]
     else:
         lines = [line for r in args.runs for line in summary_lines(r, args.valid_set)]
