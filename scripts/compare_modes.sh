@@ -9,11 +9,14 @@
 #
 # Run directories: <run_dir>-full, <run_dir>-naive, <run_dir>-boost (run_dir = the config's
 # logging.run_dir after the overrides); the figure: <run_dir>-modes.png (tools/plot_runs.py),
-# and a summary table on stdout. Processes per run: $NPROC, default tp × pp × (dp or 1) of the
-# config. A run directory that already holds a checkpoint is resumed (finished runs are not
+# and a summary table on stdout (tools/summarize_run.py --table). Processes per run: $NPROC,
+# default tp × pp × (dp or 1) of the config. A run directory that already holds a checkpoint is resumed (finished runs are not
 # repeated); FRESH=1 deletes the three run directories first.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# megatron orders its overlapped TP communication on a single CUDA work queue
+# (docs/design.md §10.12); harmless on the CPU.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 if [ $# -lt 1 ]; then
     echo "usage: scripts/compare_modes.sh <config.yaml> [section.key=value ...]" >&2
     exit 2
@@ -48,20 +51,4 @@ for mode in "${MODES[@]}"; do
 done
 python "$ROOT/tools/plot_runs.py" "${MODES[@]/#/$RUN_DIR-}" --labels "${MODES[@]}" \
     --out "$RUN_DIR-modes.png" --title "$(basename "$CONFIG"): full vs naive vs boost"
-python - "$RUN_DIR" "${MODES[@]}" <<'PY'
-import json, sys
-base, modes = sys.argv[1], sys.argv[2:]
-print(f"{'mode':<6} {'iters':>6} {'loss':>8} {'val_loss':>9} {'val_ppl':>9} {'tokens/s':>10} "
-      f"{'TFLOP/s/dev':>11} {'tp_comm/step':>13}")
-for mode in modes:
-    recs = [json.loads(l) for l in open(f"{base}-{mode}/metrics.jsonl") if l.strip()]
-    train = [r for r in recs if r.get("loss") is not None]
-    evals = [r for r in recs if r.get("val_loss") is not None]
-    last = train[-1]
-    tps = sum(r["tokens_per_s"] for r in train) / len(train)
-    tfl = sum(r["tflops"] for r in train) / len(train)
-    vl = f"{evals[-1]['val_loss']:.4f}" if evals else "n/a"
-    vp = f"{evals[-1]['val_ppl']:.2f}" if evals else "n/a"
-    print(f"{mode:<6} {last['iteration']:>6} {last['loss']:>8.4f} {vl:>9} {vp:>9} {tps:>10,.0f} "
-          f"{tfl:>11.3g} {last['tp_comm_bytes'] / 2**20:>10.2f} MB")
-PY
+python "$ROOT/tools/summarize_run.py" --table "${MODES[@]/#/$RUN_DIR-}" --labels "${MODES[@]}"

@@ -12,7 +12,8 @@
 #      (tools/train_tokenizer.py), then the training and validation plays as two Megatron
 #      indexed datasets (tools/preprocess_data.py): data.data_path and data.valid_data_path
 #   4. torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/demo-shakespeare.yaml
-#   5. the loss curves: tools/plot_runs.py -> <run_dir>/curves.png
+#   5. the loss curves: tools/plot_runs.py -> <run_dir>/curves.png; the summary:
+#      tools/summarize_run.py
 #
 # Idempotent: the tokenizer and the datasets in $DEMO_DATA are reused when present (delete the
 # folder to rebuild them). Each run starts a FRESH run directory (the previous one is removed),
@@ -23,6 +24,9 @@
 # runs/demo-shakespeare), DEMO_RESUME (0), VENV (see setup_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# megatron orders its overlapped TP communication on a single CUDA work queue
+# (docs/design.md §10.12); harmless on the CPU.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
 say() { echo "[demo $(elapsed)s] $*"; }
@@ -90,19 +94,5 @@ say "plotting the loss curves"
 python tools/plot_runs.py "$RUN_DIR" --out "$RUN_DIR/curves.png" --labels "CoLA boost TP=2" \
     --title "demo: CoLA on Shakespeare (boost, TP=2, CPU)"
 
-python - "$RUN_DIR/metrics.jsonl" <<'EOF'
-import json, sys
-recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-train = [r for r in recs if r.get("loss") is not None]
-evals = [r for r in recs if r.get("val_loss") is not None]
-tps = [r["tokens_per_s"] for r in train if r.get("tokens_per_s")]
-last = train[-1]
-print(f"summary: {last['iteration']} iterations, {last['tokens']:,} tokens | final train loss "
-      f"{last['loss']:.4f} | mean throughput {sum(tps) / len(tps):,.0f} tokens/s")
-if evals:
-    first, final = evals[0], evals[-1]
-    print(f"summary: validation (held-out plays) ppl {first['val_ppl']:.1f} at iteration "
-          f"{first['iteration']} -> {final['val_ppl']:.1f} at iteration {final['iteration']} "
-          f"(val loss {final['val_loss']:.4f})")
-EOF
+python tools/summarize_run.py "$RUN_DIR" --valid-set "held-out plays"
 say "done in $(elapsed)s: metrics $RUN_DIR/metrics.jsonl, curves $RUN_DIR/curves.png, checkpoint $RUN_DIR/checkpoints"

@@ -10,6 +10,9 @@
 # port, so several local runs can coexist. Extra torchrun options: TORCHRUN_ARGS="...".
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# megatron orders its overlapped TP communication on a single CUDA work queue
+# (docs/design.md §10.12); harmless on the CPU.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 if [ $# -lt 2 ]; then
     echo "usage: scripts/run_local.sh <nproc> <config.yaml> [section.key=value ...]" >&2
     exit 2

@@ -6,7 +6,7 @@ The tokenizer and the indexed datasets are built once per module to keep the fil
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import random
@@ -56,10 +56,7 @@ def make_play(rng: random.Random, act: int, n_lines: int) -> str:
 
 def tool_main(script: str):
     """The ``main`` of ``tools/<script>``, to run a CLI in-process (saves a megatron import)."""
-    spec = importlib.util.spec_from_file_location(script[:-3], os.path.join(TOOLS, script))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return importlib.import_module(f"megatron_boost.cli.{script[:-3]}").main
 
 
 def run_tool(script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -1,0 +1,226 @@
+"""Tokenize text into a Megatron indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``).
+
+    megatron-boost-preprocess-data --input data/raw/ --tokenizer-model data/spm.model \\
+        --output-prefix data/plays --workers 2 --append-eod
+
+(or ``python tools/preprocess_data.py`` with the same arguments)
+
+One document per plain-text file (e.g. one play) and one per line of a ``.jsonl`` file (its
+``--json-key`` field). Directories are read recursively in sorted order and globs are expanded,
+so the document order is deterministic. Documents are tokenized with SentencePiece in a
+``multiprocessing`` pool of ``--workers`` processes (order is preserved) and written with
+megatron-core's ``IndexedDatasetBuilder``; the token dtype is uint16 for vocabularies below
+65500 ids, else int32. ``--append-eod`` appends the tokenizer's ``eos`` id to every document,
+which Megatron's GPT dataset treats as the end-of-document token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from typing import Iterator
+
+from megatron_boost.data.textfiles import expand_inputs
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+# Per-worker state, set by _init_worker (each pool process loads its own SentencePiece model).
+_sp = None
+_append_eod = False
+_split_sentences = False
+_json_key = "text"
+
+
+def iter_work(files: list[str]) -> Iterator[tuple[str, str, str]]:
+    """Yield one ``(kind, where, payload)`` item per document.
+
+    Plain files are passed by path so the workers read them; JSONL lines are passed as raw text
+    so the JSON parsing also happens in the workers.
+    """
+    for path in files:
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield "json", f"{path}:{lineno}", line
+        else:
+            yield "file", path, path
+
+
+def _init_worker(model_path: str, append_eod: bool, split_sentences: bool, json_key: str) -> None:
+    global _sp, _append_eod, _split_sentences, _json_key
+    import sentencepiece as spm
+
+    _sp = spm.SentencePieceProcessor(model_file=model_path)
+    _append_eod, _split_sentences, _json_key = append_eod, split_sentences, json_key
+
+
+def _tokenize(item: tuple[str, str, str]) -> tuple[list[list[int]], int, str]:
+    """Tokenize one document into its sentences' ids; returns (sentences, n_bytes, error)."""
+    kind, where, payload = item
+    if kind == "file":
+        with open(payload, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    else:
+        try:
+            text = json.loads(payload)[_json_key]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            return [], 0, f"{where} is not a JSON object with key '{_json_key}' ({err})"
+        text = str(text)
+    pieces = _SENTENCE_END.split(text) if _split_sentences else [text]
+    sentences = [ids for ids in (_sp.encode(p) for p in pieces) if ids]
+    if sentences and _append_eod:
+        sentences[-1].append(_sp.eos_id())
+    return sentences, len(text.encode("utf-8")), ""
+
+
+class _Progress:
+    """tqdm when installed, else a counter on stderr refreshed at most once a second.
+
+    ``total`` is the number of documents, or ``None`` when unknown (JSONL inputs).
+    """
+
+    def __init__(self, total: int | None) -> None:
+        try:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="doc", file=sys.stderr)
+        except ImportError:
+            self._bar = None
+        self.total, self.count, self._last = total, 0, 0.0
+
+    def update(self) -> None:
+        self.count += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        elif time.perf_counter() - self._last >= 1.0:
+            self._last = time.perf_counter()
+            self._print()
+
+    def _print(self) -> None:
+        of_total = f"/{self.total}" if self.total else ""
+        print(f"\rtokenized {self.count}{of_total} docs", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.count:
+            self._print()  # the final count, which the once-a-second refresh may have skipped
+            print(file=sys.stderr)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--input", nargs="+", required=True, help="text/.jsonl files, dirs or globs"
+    )
+    parser.add_argument("--json-key", default="text", help="text field of .jsonl records")
+    parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin/.idx")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--append-eod", action="store_true", help="append eos to every document")
+    parser.add_argument(
+        "--split-sentences",
+        choices=["no", "yes"],
+        default="no",
+        help="yes: store each sentence (split after . ! ?) as its own sequence of the document",
+    )
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Validate the arguments; returns the input files (a clear error for each bad value)."""
+    if args.workers < 1:
+        raise SystemExit(f"preprocess_data.py: error: --workers {args.workers} must be >= 1")
+    if not os.path.isfile(args.tokenizer_model):
+        raise SystemExit(
+            f"preprocess_data.py: error: --tokenizer-model '{args.tokenizer_model}' does not "
+            f"exist; train one with tools/train_tokenizer.py"
+        )
+    files = expand_inputs(args.input, "preprocess_data.py")
+    if not files:
+        raise SystemExit(f"preprocess_data.py: error: no files in --input {' '.join(args.input)}")
+    return files
+
+
+def tokenized_documents(args: argparse.Namespace, work: Iterator, known_total: bool):
+    """``(pool or None, iterator of _tokenize results)``, in document order."""
+    init_args = (
+        args.tokenizer_model,
+        args.append_eod,
+        args.split_sentences == "yes",
+        args.json_key,
+    )
+    if args.workers == 1:
+        _init_worker(*init_args)
+        return None, map(_tokenize, work)
+    # Whole files are big work items (balance them one by one); JSONL lines are small, so
+    # batch them to amortize the inter-process traffic.
+    chunksize = 1 if known_total else 64
+    pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=init_args)
+    return pool, pool.imap(_tokenize, work, chunksize=chunksize)
+
+
+def write_documents(results: Iterator, builder, progress: _Progress) -> tuple[int, int, int, int]:
+    """Add every non-empty document to ``builder``; returns (docs, tokens, bytes, empty)."""
+    import numpy
+
+    n_docs = n_tokens = n_bytes = n_empty = 0
+    for sentences, size, error in results:
+        progress.update()
+        if error:
+            raise SystemExit(f"preprocess_data.py: error: {error}; fix the file or pass --json-key")
+        if not sentences:
+            # An empty document would be a zero-length sequence; skip it but report the count.
+            n_empty += 1
+            continue
+        ids = numpy.concatenate([numpy.asarray(s, dtype=numpy.int64) for s in sentences])
+        builder.add_document(ids, [len(s) for s in sentences])
+        n_docs += 1
+        n_tokens += ids.size
+        n_bytes += size
+    return n_docs, n_tokens, n_bytes, n_empty
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    files = check_args(args)
+    # Stream the work items (a JSONL corpus may not fit in memory); the document count is known
+    # up front only without JSONL inputs.
+    total = None if any(f.endswith(".jsonl") for f in files) else len(files)
+
+    import numpy
+    import sentencepiece as spm
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    vocab_size = spm.SentencePieceProcessor(model_file=args.tokenizer_model).get_piece_size()
+    dtype = DType.optimal_dtype(vocab_size)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    builder = IndexedDatasetBuilder(args.output_prefix + ".bin", dtype=dtype)
+
+    start = time.perf_counter()
+    progress = _Progress(total)
+    pool, results = tokenized_documents(args, iter_work(files), total is not None)
+    try:
+        n_docs, n_tokens, n_bytes, n_empty = write_documents(results, builder, progress)
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.terminate()
+    builder.finalize(args.output_prefix + ".idx")
+    elapsed = time.perf_counter() - start
+
+    if n_docs == 0:
+        raise SystemExit("preprocess_data.py: error: every input document was empty")
+    print(
+        f"wrote {args.output_prefix}.bin/.idx: {n_docs} docs ({n_empty} empty skipped), "
+        f"{n_tokens} tokens ({numpy.dtype(dtype).name}), {n_bytes / 1e6:.2f} MB text in "
+        f"{elapsed:.1f}s: {n_tokens / max(elapsed, 1e-9):,.0f} tokens/s, "
+        f"{n_docs / max(elapsed, 1e-9):,.1f} docs/s with {args.workers} workers"
+    )
+    return 0
