@@ -89,7 +89,8 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
     With it: return the worst relative differences against it."""
     from megatron.core import parallel_state
 
-    from megatron_boost.model.gpt import padded_vocab_size, sharded_params
+    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.model.init import sharded_params
     from megatron_boost.train.step import (build_ddp_model, build_optimizer, initialize_parallel,
                                          make_forward_step, train_step)
 
@@ -177,7 +178,7 @@ def model_collectives(rank: int, world: int, spec: LayoutSpec):
     a list of (direction, kind, width, numel) in issue order."""
     from megatron.core import parallel_state
 
-    from megatron_boost.parallel import mappings as comm
+    from megatron_boost.analysis.collectives import record_collectives
     from megatron_boost.model.gpt import padded_vocab_size
     from megatron_boost.train.step import build_ddp_model, initialize_parallel
 
@@ -186,7 +187,7 @@ def model_collectives(rank: int, world: int, spec: LayoutSpec):
     vocab = padded_vocab_size(cfg.model.vocab_size, spec.tp)
     model = build_ddp_model(config, vocab, spec.seq_length, spec.seed)[0]
     batch = _batches(spec, cfg.model.vocab_size, 1, 0)[0]
-    with comm.record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
+    with record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
         out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         out.float().mean().backward()
     parallel_state.destroy_model_parallel()

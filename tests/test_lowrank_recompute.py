@@ -38,8 +38,9 @@ def _saved_bytes_hooks(params):
 def _run(rank, world):
     from megatron.core import parallel_state
 
-    from megatron_boost.parallel import mappings as comm
-    from megatron_boost.model.gpt import padded_vocab_size, sharded_params
+    from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.model.init import sharded_params
     from megatron_boost.verification import LayoutSpec, _batches, model_config
     from megatron_boost.train.step import build_ddp_model, initialize_parallel
 
@@ -57,7 +58,7 @@ def _run(rank, world):
                 batch = _batches(spec, 100, 1, 0)[0]
                 hooks, saved = _saved_bytes_hooks(list(model.parameters()))
                 group = parallel_state.get_tensor_model_parallel_group()
-                with comm.record_collectives(group) as log:
+                with record_collectives(group) as log:
                     with hooks:  # forward only: what is kept for backward
                         loss = model(batch["tokens"], batch["position_ids"], None,
                                      labels=batch["labels"])
