@@ -201,7 +201,7 @@ def test_negative_control_wrong_shard_is_caught(results, kind, mode, tp):
 
 
 def _expected_collectives(kind, mode, groups):
-    """DESIGN.md table, per layer slot: (fwd widths, bwd widths)."""
+    """docs/design.md §5 table, per layer slot: (fwd widths, bwd widths)."""
     kv = groups * HN
     if mode == "boost":
         r = {"qkv_mha": 3 * R_ATTN, "qkv_gqa": 3 * R_ATTN, "fc1": 2 * R_MLP,
