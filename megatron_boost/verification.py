@@ -1,4 +1,4 @@
-"""Is a parallel layout the same function as one process? (DESIGN.md section 3)
+"""Is a parallel layout the same function as one process? (docs/design.md §11)
 
 :func:`run_layout` runs in every rank of a layout: it builds the model of the given mode from one
 seed (layout-independent initialisation, so every layout holds the same global weights), runs
@@ -7,7 +7,8 @@ returns the global gradients and updated parameters (the one-process reference, 
 or compares its own loss, every gradient shard and every updated parameter shard with the
 reference's matching slice.
 
-Used by the test suite and by ``tools/verify_parallel.py``.
+Used by the test suite and by ``megatron-boost-verify-parallel``
+(:mod:`megatron_boost.cli.verify_parallel`).
 """
 
 from __future__ import annotations
@@ -84,14 +85,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict] = None):
-    """Run ``spec`` on this rank. Without ``reference``: return the reference data (world 1).
-    With it: return the worst relative differences against it."""
-    from megatron.core import parallel_state
-
-    from megatron_boost.model.gpt import padded_vocab_size, sharded_params
-    from megatron_boost.train.step import (build_ddp_model, build_optimizer, initialize_parallel,
-                                         make_forward_step, train_step)
+def _build(spec: LayoutSpec):
+    """(cfg, DDP model chunks, optimizer, sharded_params entries) of a layout on this rank;
+    with ``spec.corrupt``, one parameter shard is perturbed (the negative control)."""
+    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.model.init import sharded_params
+    from megatron_boost.train.step import build_ddp_model, build_optimizer, initialize_parallel
 
     cfg, config = model_config(spec)
     dp = initialize_parallel(spec.tp, spec.pp, spec.vpp, spec.seed)
@@ -114,8 +113,19 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
         key, _, _, param = next(e for e in entries if e[3].dim() == 2 and e[3].shape[0] > 1)
         with torch.no_grad():
             param[[0, 1]] = param[[1, 0]]
-    before = {key: param.detach().clone() for key, _, _, param in entries}
+    return cfg, ddp, optimizer, entries
 
+
+def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict] = None):
+    """Run ``spec`` on this rank. Without ``reference``: return the reference data (world 1).
+    With it: return the worst relative differences against it."""
+    from megatron.core import parallel_state
+
+    from megatron_boost.train.step import make_forward_step, train_step
+
+    cfg, ddp, optimizer, entries = _build(spec)
+    before = {key: param.detach().clone() for key, _, _, param in entries}
+    dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     micro = _batches(spec, cfg.model.vocab_size, dp, dp_rank)
     iterators = [iter(list(micro)) for _ in ddp]
@@ -124,13 +134,18 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
                         spec.micro_batch_size)
     grads = {key: param.main_grad.detach().clone() for key, _, _, param in entries}
     after = {key: param.detach().clone() for key, _, _, param in entries}
-
+    updates = {k: after[k] - before[k] for k in after}
     if reference is None:
         if world != 1:
             raise ValueError("the reference runs in one process (world size 1)")
         return {"loss": result["loss"], "grad_norm": result["grad_norm"], "grads": grads,
-                "updates": {k: after[k] - before[k] for k in after}}
+                "updates": updates}
+    return _compare(spec, result, grads, updates, entries, reference)
 
+
+def _compare(spec: LayoutSpec, result, grads, updates, entries, reference) -> dict:
+    """Worst relative differences of this rank's loss, gradient shards, gradient norm and
+    parameter updates against the matching slices of the reference."""
     out = {"loss": None, "grad": 0.0, "update": 0.0, "grad_norm": 0.0, "n_tensors": 0,
            "worst_grad_key": None}
     if result["loss"] is not None:
@@ -146,8 +161,7 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
             e = _rel(grads[key], slicer(reference["grads"][key]))
             if e > out["grad"]:
                 out["grad"], out["worst_grad_key"] = e, key
-        e = _rel(after[key] - before[key], slicer(reference["updates"][key]))
-        out["update"] = max(out["update"], e)
+        out["update"] = max(out["update"], _rel(updates[key], slicer(reference["updates"][key])))
     return out
 
 
@@ -177,7 +191,7 @@ def model_collectives(rank: int, world: int, spec: LayoutSpec):
     a list of (direction, kind, width, numel) in issue order."""
     from megatron.core import parallel_state
 
-    from megatron_boost.parallel import mappings as comm
+    from megatron_boost.analysis.collectives import record_collectives
     from megatron_boost.model.gpt import padded_vocab_size
     from megatron_boost.train.step import build_ddp_model, initialize_parallel
 
@@ -186,7 +200,7 @@ def model_collectives(rank: int, world: int, spec: LayoutSpec):
     vocab = padded_vocab_size(cfg.model.vocab_size, spec.tp)
     model = build_ddp_model(config, vocab, spec.seq_length, spec.seed)[0]
     batch = _batches(spec, cfg.model.vocab_size, 1, 0)[0]
-    with comm.record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
+    with record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
         out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         out.float().mean().backward()
     parallel_state.destroy_model_parallel()

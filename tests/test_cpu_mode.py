@@ -75,3 +75,31 @@ def test_use_cpu_is_idempotent_and_maps_devices():
     assert t.type() == "torch.cuda.FloatTensor"
     assert torch.cuda.current_device() == 0
     assert t.cuda() is t
+
+
+def _patched_namespaces():
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.utils as tutils
+
+    return (torch.cuda, mrandom, tutils, fused_softmax)
+
+
+def test_restore_cuda_undoes_every_patch():
+    from megatron_boost.runtime.cpu_mode import CudaToCpuMode, is_cpu_mode, restore_cuda, use_cpu
+
+    restore_cuda()  # an earlier test in this process may have left CPU mode on
+    before = [dict(vars(ns)) for ns in _patched_namespaces()]
+    use_cpu(force=True)
+    assert torch.cuda.current_device is not before[0]["current_device"]
+    restore_cuda()
+    assert not is_cpu_mode()
+    after = [dict(vars(ns)) for ns in _patched_namespaces()]
+    for b, a in zip(before, after):
+        assert a.keys() == b.keys()
+        assert all(a[k] is b[k] for k in b), [k for k in b if a[k] is not b[k]]
+    stack = torch.overrides._get_current_function_mode_stack()
+    assert not any(isinstance(m, CudaToCpuMode) for m in stack)
+    assert torch.zeros(3).type() == "torch.FloatTensor"
+    # And it can be activated again.
+    assert use_cpu(force=True) and torch.zeros(3, device="cuda").device.type == "cpu"

@@ -98,7 +98,7 @@ def rel_err(a, b):
 
 
 def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=False):
-    from megatron_boost.parallel import mappings as comm
+    from megatron_boost.analysis.collectives import record_collectives
 
     groups = 4 if kind == "qkv_gqa" else HEADS
     torch.manual_seed(1234)
@@ -130,7 +130,7 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
     else:
         layer.load_global_weights({n: w.to(dtype) for n, w in weights.items()})
     x_loc = local_view(kind, mode, x, t, k, groups, False).to(dtype).requires_grad_(True)
-    with comm.record_collectives(group) as log:
+    with record_collectives(group) as log:
         y, bias = layer(x_loc)
         g_loc = local_view(kind, mode, grad_out, t, k, groups, True).to(dtype)
         (y * g_loc).sum().backward()
@@ -201,7 +201,7 @@ def test_negative_control_wrong_shard_is_caught(results, kind, mode, tp):
 
 
 def _expected_collectives(kind, mode, groups):
-    """DESIGN.md table, per layer slot: (fwd widths, bwd widths)."""
+    """docs/design.md §5 table, per layer slot: (fwd widths, bwd widths)."""
     kv = groups * HN
     if mode == "boost":
         r = {"qkv_mha": 3 * R_ATTN, "qkv_gqa": 3 * R_ATTN, "fc1": 2 * R_MLP,

@@ -5,7 +5,8 @@ model and micro-batch run three ways: plain, with ``training.recompute=lowrank``
 backward all-reduce overlap switched off. Gradients must be bitwise identical (the same kernels
 run on the same values in the same order; only when they run differs), the collectives
 identical in count and bytes (the recompute replays recorded reductions instead of
-communicating), and the bytes saved for backward must shrink.
+communicating), and what a checkpointed decoder layer keeps for backward must be exactly what
+the design keeps (docs/design.md §7): its input and the results of its forward all-reduces.
 """
 
 from __future__ import annotations
@@ -17,29 +18,50 @@ from megatron_boost.runtime.spawn import run_distributed
 
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
              num_query_groups=4, vocab_size=100, attn_rank=16, mlp_rank=16)
+SEQ, MICRO_BATCH, HEAD_DIM = 32, 2, 8
 VARIANTS = ("plain", "lowrank", "no_overlap")
 
 
-def _saved_bytes_hooks(params):
-    """saved_tensors_hooks counting unique saved storages, parameters excluded."""
-    seen, total = set(), [0]
+def _saved_bytes_hooks(params, layers):
+    """saved_tensors_hooks counting unique saved storages, parameters excluded: in all
+    ("all") and while one of ``layers`` runs its forward ("layers")."""
+    seen, total, depth = set(), {"all": 0, "layers": 0}, [0]
     param_ptrs = {p.data_ptr() for p in params}
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen and t.data_ptr() not in param_ptrs:
             seen.add(ptr)
-            total[0] += t.untyped_storage().nbytes()
+            total["all"] += t.untyped_storage().nbytes()
+            total["layers"] += t.untyped_storage().nbytes() if depth[0] else 0
         return t
 
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1))
+        layer.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1))
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), total
+
+
+def _design_layer_bytes(mode: str, tp: int) -> int:
+    """fp32 bytes a low-rank-checkpointed layer keeps (docs/design.md §7): its input
+    (boost: the hidden shard [s, b, d/t]; naive: [s, b, d]) and the results of its forward
+    all-reduces, none at TP 1 (boost: [s, b, 3r+1] qkv with the norm's sum of squares, [s, b, r]
+    o, [s, b, 2r+1] gate|up, [s, b, r] down; naive: the reduced outputs, q|k|v, d, 2f, d)."""
+    d, f, r_a, r_m = MODEL["hidden_size"], MODEL["ffn_hidden_size"], MODEL["attn_rank"], \
+        MODEL["mlp_rank"]
+    qkv = (MODEL["num_attention_heads"] + 2 * MODEL["num_query_groups"]) * HEAD_DIM
+    layer_input = d // tp if mode == "boost" else d
+    reductions = ([] if tp == 1 else [3 * r_a + 1, r_a, 2 * r_m + 1, r_m] if mode == "boost"
+                  else [qkv, d, 2 * f, d])
+    return SEQ * MICRO_BATCH * (layer_input + sum(reductions)) * 4
 
 
 def _run(rank, world):
     from megatron.core import parallel_state
 
-    from megatron_boost.parallel import mappings as comm
-    from megatron_boost.model.gpt import padded_vocab_size, sharded_params
+    from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.model.init import sharded_params
     from megatron_boost.verification import LayoutSpec, _batches, model_config
     from megatron_boost.train.step import build_ddp_model, initialize_parallel
 
@@ -47,23 +69,25 @@ def _run(rank, world):
     for tp in (1, 2, 4):
         for mode in ("naive", "boost"):
             for variant in VARIANTS:
-                spec = LayoutSpec(mode=mode, tp=tp, model=MODEL, seq_length=32)
+                spec = LayoutSpec(mode=mode, tp=tp, model=MODEL, seq_length=SEQ,
+                                  micro_batch_size=MICRO_BATCH)
                 cfg, config = model_config(spec)
                 config.lowrank_recompute = variant == "lowrank"
                 config.overlap_bottleneck_grad_reduce = variant != "no_overlap"
                 initialize_parallel(tp, 1, None, spec.seed)
-                ddp = build_ddp_model(config, padded_vocab_size(100, tp), 32, spec.seed)
+                ddp = build_ddp_model(config, padded_vocab_size(100, tp), SEQ, spec.seed)
                 model = ddp[0]
                 batch = _batches(spec, 100, 1, 0)[0]
-                hooks, saved = _saved_bytes_hooks(list(model.parameters()))
+                hooks, saved = _saved_bytes_hooks(list(model.parameters()),
+                                                  model.module.decoder.layers)
                 group = parallel_state.get_tensor_model_parallel_group()
-                with comm.record_collectives(group) as log:
+                with record_collectives(group) as log:
                     with hooks:  # forward only: what is kept for backward
                         loss = model(batch["tokens"], batch["position_ids"], None,
                                      labels=batch["labels"])
                     loss.float().mean().backward()
                 grads = {k: p.main_grad.clone() for k, _, _, p in sharded_params(model.module)}
-                out[(tp, mode, variant)] = {"grads": grads, "saved": saved[0],
+                out[(tp, mode, variant)] = {"grads": grads, "saved": dict(saved),
                                             "comm": log.summary()}
                 parallel_state.destroy_model_parallel()
     return out
@@ -94,9 +118,15 @@ def test_lowrank_adds_no_collective(results, tp, mode):
 
 
 @pytest.mark.parametrize("tp,mode", CASES)
-def test_lowrank_saves_less(results, tp, mode):
+def test_lowrank_keeps_only_layer_input_and_reductions(results, tp, mode):
+    # Exact: unique storages are counted, and every kept tensor is a whole fresh tensor (the
+    # layer input and the reductions' outputs), so no margin is needed.
+    expected = MODEL["num_layers"] * _design_layer_bytes(mode, tp)
     for res in results:
         plain, low = res[(tp, mode, "plain")]["saved"], res[(tp, mode, "lowrank")]["saved"]
-        assert low < plain
-    ratio = results[0][(tp, mode, "lowrank")]["saved"] / results[0][(tp, mode, "plain")]["saved"]
-    print(f"saved bytes lowrank/plain tp={tp} {mode}: {ratio:.3f}")
+        assert low["layers"] == expected
+        # Outside the decoder layers (embedding, final norm, head, loss) nothing changes.
+        assert low["all"] - low["layers"] == plain["all"] - plain["layers"]
+    low, plain = (results[0][(tp, mode, v)]["saved"] for v in ("lowrank", "plain"))
+    print(f"saved bytes in layers lowrank/plain tp={tp} {mode}: "
+          f"{low['layers'] / plain['layers']:.3f}")

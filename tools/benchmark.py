@@ -91,7 +91,7 @@ def bench_worker(rank: int, world: int, job: dict) -> dict:
 
     from megatron_boost.analysis import accounting
     from megatron_boost.config.run import RunConfig, to_transformer_config
-    from megatron_boost.parallel.mappings import record_collectives
+    from megatron_boost.analysis.collectives import record_collectives
     from megatron_boost.model.gpt import padded_vocab_size
     from megatron_boost.train.step import (_run_schedule, build_ddp_model, build_optimizer,
                                          initialize_parallel, make_forward_step, train_step)

@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from megatron_boost.parallel.mappings import CommLog, record_collectives
+from megatron_boost.analysis.collectives import CommLog, record_collectives
 
 __all__ = [
     "MODES", "GIB", "gib", "layer_shape", "layer_comm_formula", "LayerCommSpec",
@@ -185,7 +185,7 @@ def build_decoder_layer(config, pgs=None):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_boost.config.transformer import TPMode
-    from megatron_boost.model.gpt import _replicated_decoder_pgs, default_pg_collection, \
+    from megatron_boost.model.specs import _replicated_decoder_pgs, default_pg_collection, \
         get_layer_spec
 
     pgs = pgs or default_pg_collection()

@@ -7,7 +7,7 @@ grouping"). Global parameter shapes, identical in every mode and at every TP siz
 
     A_<p>: [r_p, d_in]      B_<p>: [d_out_p, r_p]
 
-boost (BOOST's bottleneck-aware TP, DESIGN.md section 2):
+boost (BOOST's bottleneck-aware TP, docs/design.md §2):
     A_<p>: [r_p, d_in/t]  sharded along d_in (dim 1; the input is hidden/head/ffn-sharded)
     B_<p>: [d_out_p/t, r_p] sharded along d_out (dim 0; the output is head/ffn/hidden-sharded)
     layer_norm_weight: [d_in/t] (fused online-RMSNorm, column layers only)
@@ -27,17 +27,25 @@ of a layer spec (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import get_pg_rank, get_pg_size
 
-from megatron_boost.parallel import mappings as comm
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode, get_bottleneck_activation
+from megatron_boost.model.init import cola_init_
+from megatron_boost.parallel.mappings import (
+    bottleneck_up,
+    copy_to_tensor_model_parallel_region,
+    linear_with_grad_accumulation_and_async_allreduce,
+    reduce_from_tensor_model_parallel_region,
+    split_project,
+)
+from megatron_boost.parallel.recompute import ForwardReductions
 
 __all__ = [
     "Projection",
@@ -50,7 +58,6 @@ __all__ = [
     "NaiveLinearQKV",
     "NaiveLinearFC1",
     "NaiveLinearRow",
-    "cola_init_",
 ]
 
 
@@ -64,21 +71,6 @@ class Projection:
     """Bottleneck rank r."""
     out_size: int
     """Global output size d_out."""
-
-
-def cola_init_(master: torch.Tensor, rank: int, d_in: int, d_out: int) -> torch.Tensor:
-    """CoLA initialisation of a global factor: randn · r^(-1/4) · (d_in + d_out)^(-1/4)."""
-    with torch.no_grad():
-        master.normal_(0.0, rank ** -0.25 * (d_in + d_out) ** -0.25)
-    return master
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 class BottleneckGroup(MegatronModule):
@@ -107,8 +99,10 @@ class BottleneckGroup(MegatronModule):
         self.input_size = input_size
         self.projections = list(projections)
         self.tp_group = tp_group
-        self.tp_size = _group_size(tp_group)
-        self.tp_rank = _group_rank(tp_group)
+        self.tp_size = get_pg_size(tp_group)
+        self.tp_rank = get_pg_rank(tp_group)
+        # Installed by low-rank activation checkpointing for one forward or recompute only.
+        self.forward_reductions: Optional[ForwardReductions] = None
         self.activation = get_bottleneck_activation(config.bottleneck_activation)
         self.fuse_norm = fuse_norm
         self.eps = config.layernorm_epsilon
@@ -163,6 +157,21 @@ class BottleneckGroup(MegatronModule):
     def combine(self, outs: List[torch.Tensor]) -> torch.Tensor:
         """Lay out the per-projection outputs as the consumer expects (default: concat)."""
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def _all_reduce_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """fwd AR of x over the TP group, bwd identity (megatron's
+        reduce_from_tensor_model_parallel_region). Under low-rank activation checkpointing the
+        result is recorded in the forward and replayed, without communicating, in the
+        recompute (docs/design.md §7)."""
+        if self.tp_size == 1:
+            return x
+
+        def all_reduce(t):
+            return reduce_from_tensor_model_parallel_region(t, group=self.tp_group)
+
+        if self.forward_reductions is None:
+            return all_reduce(x)
+        return self.forward_reductions.reduce(x, all_reduce)
 
     # -- checkpointing ---------------------------------------------------------------------
 
@@ -221,11 +230,7 @@ class BoostBottleneckGroup(BottleneckGroup):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ranks = [p.rank for p in self.projections]
-        xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
-        # One GEMM for the group's A factors and ONE all-reduce of the partial products, with
-        # the partial sum of squares as an extra column when the norm is fused.
-        fused = comm.reduce_bottleneck_product(xin, self._fused_a(), self.tp_group,
-                                               x if self.fuse_norm else None)
+        fused = self._reduced_products(x)  # [s, b, Σr (+1)], complete on every rank
         if self.fuse_norm:
             total, sumsq = fused.split([sum(ranks), 1], dim=-1)  # [s, b, Σr], [s, b, 1]
             inv_rms = torch.rsqrt(sumsq.float() / self.input_size + self.eps)
@@ -233,9 +238,29 @@ class BoostBottleneckGroup(BottleneckGroup):
         else:
             total = fused  # [s, b, Σr]
         # B factors on the replicated bottleneck; bwd: AR(Σr) of dz, overlapped with dB.
-        outs = comm.bottleneck_up(self.activation(total), self.factors("B"), ranks,
-                                  self.tp_group, self.config.overlap_bottleneck_grad_reduce)
+        outs = bottleneck_up(self.activation(total), self.factors("B"), ranks, self.tp_group,
+                             self.config.overlap_bottleneck_grad_reduce)
         return self.combine(outs)
+
+    def _reduced_products(self, x: torch.Tensor) -> torch.Tensor:
+        """ONE GEMM for the group's A factors on the (γ-scaled) shard, the partial sum of
+        squares of x as one extra column when the norm is fused, and ONE all-reduce of both:
+        fwd AR(Σr + 1); bwd identity (then the GEMMs' backward).
+
+        In the recompute of low-rank activation checkpointing the recorded sum is returned
+        without communicating and without recomputing the product (docs/design.md §7)."""
+        xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
+        sumsq_of = x if self.fuse_norm else None
+        replay = self.forward_reductions
+        if replay is not None and replay.replaying and self.tp_size > 1:
+            return replay.replay_product(xin, self._fused_a(), sumsq_of)
+        partial = torch.matmul(xin, self._fused_a().t())  # [s, b, Σr]
+        if sumsq_of is not None:
+            # Sum of squares in fp32; it travels in the activation dtype with the products
+            # (one collective), which is exact in fp32 and bf16-accurate in bf16.
+            sumsq = sumsq_of.float().pow(2).sum(dim=-1, keepdim=True).to(partial.dtype)
+            partial = torch.cat([partial, sumsq], dim=-1)  # [s, b, Σr + 1]
+        return self._all_reduce_forward(partial)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
@@ -249,14 +274,24 @@ class NaiveBottleneckGroup(BottleneckGroup):
     _b_axis = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Column-parallel A on the replicated input; bwd: AR(d_in) of dx, overlapped with dA.
-        h = self.activation(comm.column_parallel_in(
-            x, self._fused_a(), self.tp_group,
-            self.config.overlap_bottleneck_grad_reduce))  # [s, b, Σr/t]
+        h = self.activation(self._column_parallel_a(x))  # [s, b, Σr/t]
         ranks = [p.rank // self.tp_size for p in self.projections]
-        # [s, b, Σ d_out], partial over ranks until the all-reduce
-        out = self.combine(comm.split_project(h, self.factors("B"), ranks))
-        return comm.reduce_from_tp_region(out, self.tp_group)  # fwd: AR(Σ d_out)
+        # [s, b, Σ d_out], partial over ranks until the all-reduce (contiguous: a fresh GEMM or
+        # concatenation output, as megatron's in-place all-reduce requires)
+        out = self.combine(split_project(h, self.factors("B"), ranks))
+        return self._all_reduce_forward(out)  # fwd: AR(Σ d_out); bwd: identity
+
+    def _column_parallel_a(self, x: torch.Tensor) -> torch.Tensor:
+        """x · A_local^T on the replicated input: megatron's column-parallel linear. bwd:
+        AR(d_in) of dx, overlapped with the dA GEMM when ``overlap_bottleneck_grad_reduce``,
+        else issued first as in the plain autograd graph."""
+        a = self._fused_a()  # [Σr/t, d_in]
+        if not self.config.overlap_bottleneck_grad_reduce:
+            return torch.matmul(copy_to_tensor_model_parallel_region(x, group=self.tp_group),
+                                a.t())
+        return linear_with_grad_accumulation_and_async_allreduce(
+            x, a, None, gradient_accumulation_fusion=False, allreduce_dgrad=self.tp_size > 1,
+            sequence_parallel=False, tp_group=self.tp_group)
 
 
 # ---------------------------------------------------------------------------------------------

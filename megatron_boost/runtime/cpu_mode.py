@@ -1,6 +1,6 @@
-"""CPU mode: run megatron-core's real code paths on CPU with the gloo backend.
+"""CPU mode: run megatron-core's real code paths on CPU with the gloo backend (docs/design.md §9).
 
-megatron-core assumes CUDA in a handful of places (see DESIGN.md section 4):
+megatron-core assumes CUDA in a handful of places:
 
 * ``device="cuda"`` / ``torch.cuda.current_device()`` allocations in the pipeline schedules and
   the p2p communication code;
@@ -12,9 +12,18 @@ megatron-core assumes CUDA in a handful of places (see DESIGN.md section 4):
 :func:`use_cpu` installs a small compatibility layer for exactly these calls: a
 ``TorchFunctionMode`` that maps CUDA devices to the CPU (and reports CPU tensors with their CUDA
 type names), and patches of the CUDA-only functions listed above so that they act on the CPU
-generator or do nothing. No Megatron file is edited or copied. Activation is explicit and
-idempotent; on a machine with a usable GPU it refuses unless ``force=True`` is passed, so the
-layer is never active by accident on a CUDA run.
+generator or do nothing. No Megatron file is edited or copied.
+
+Why process-wide: megatron-core reaches these calls from deep inside model construction, the
+pipeline schedules, the p2p code, the RNG tracker and the optimizer step, looking the functions
+up on ``torch.cuda`` (or its own modules) at call time, and offers no hook to inject a device.
+Replacing the module attributes is therefore the only way to redirect them without editing or
+copying megatron, and a module attribute is global to the process. Likewise the function mode
+must cover the whole run (every allocation of every step), so it stays entered on the thread
+that activated it. CPU mode is meant for a whole process (a gloo worker, a test run on a
+machine without GPUs): activation is explicit and idempotent; on a machine with a usable GPU it
+refuses unless ``force=True`` is passed, so the layer is never active by accident on a CUDA
+run; :func:`restore_cuda` undoes every patch and leaves the function mode.
 """
 
 from __future__ import annotations
@@ -27,10 +36,13 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["use_cpu", "is_cpu_mode", "CudaToCpuMode"]
+__all__ = ["use_cpu", "restore_cuda", "is_cpu_mode", "maybe_use_cpu", "CudaToCpuMode"]
 
 _LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"active": False, "mode": None, "patched": []}
+# The active function mode (None when CPU mode is off) and every patch as
+# (owner, attribute, original value or _ABSENT), in installation order, for restore_cuda().
+_STATE: dict[str, Any] = {"mode": None, "patches": []}
+_ABSENT = object()
 
 _CPU = torch.device("cpu")
 
@@ -127,8 +139,17 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
 
 
 def _patch(owner: Any, name: str, value: Any) -> None:
-    _STATE["patched"].append((owner, name, getattr(owner, name, None)))
+    _STATE["patches"].append((owner, name, getattr(owner, name, _ABSENT)))
     setattr(owner, name, value)
+
+
+def _undo_patches() -> None:
+    for owner, name, original in reversed(_STATE["patches"]):
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    _STATE["patches"].clear()
 
 
 def _install_patches() -> None:
@@ -186,7 +207,7 @@ def use_cpu(force: bool = False) -> bool:
             and the GPU instead.
     """
     with _LOCK:
-        if _STATE["active"]:
+        if _STATE["mode"] is not None:
             return True
         if _cuda_usable() and not force:
             raise RuntimeError(
@@ -195,16 +216,33 @@ def use_cpu(force: bool = False) -> bool:
             )
         _install_patches()
         mode = CudaToCpuMode()
-        # Entered and never exited: the mode stays on this thread's function-mode stack
-        # for the life of the process (autograd's CPU backward runs on this thread too).
+        # Entered until restore_cuda(): the mode stays on this thread's function-mode stack
+        # (autograd's CPU backward runs on this thread too).
         mode.__enter__()
-        _STATE.update(active=True, mode=mode)
+        _STATE["mode"] = mode
         return True
+
+
+def restore_cuda() -> None:
+    """Deactivate CPU mode: undo every patch of :func:`use_cpu` and leave its function mode.
+    A no-op when CPU mode is off. Call it on the thread that activated CPU mode, with no other
+    function mode entered above it since."""
+    with _LOCK:
+        mode = _STATE["mode"]
+        if mode is None:
+            return
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not stack or stack[-1] is not mode:
+            raise RuntimeError("restore_cuda(): CPU mode's function mode is not the innermost "
+                               "one on this thread; leave the modes entered after it first")
+        mode.__exit__(None, None, None)
+        _undo_patches()
+        _STATE["mode"] = None
 
 
 def is_cpu_mode() -> bool:
     """Whether :func:`use_cpu` has been activated in this process."""
-    return bool(_STATE["active"])
+    return _STATE["mode"] is not None
 
 
 def maybe_use_cpu(device: str = "auto") -> str:

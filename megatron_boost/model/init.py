@@ -1,0 +1,113 @@
+"""Layout-independent initialisation (docs/design.md §8) and CoLA's init formula (§1).
+
+Every parameter is drawn as its GLOBAL tensor from a generator seeded by the run seed and the
+parameter's global checkpoint key, then sliced to this rank's shard: the same seed gives the
+same global weights in every mode that shares the key and in every TP/PP layout. Global keys,
+shapes and slices come from the model's own ``sharded_state_dict`` (megatron's checkpoint
+metadata), so they follow whatever the layout is.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Iterable
+
+import torch
+
+__all__ = ["cola_std", "cola_init_", "sharded_params", "init_global_weights"]
+
+
+def cola_std(rank: int, d_in: int, d_out: int) -> float:
+    """CoLA's init std of both factors of a bottleneck d_in -> r -> d_out
+    (CoLA, arXiv 2502.10940): r^(-1/4) · (d_in + d_out)^(-1/4)."""
+    return rank ** -0.25 * (d_in + d_out) ** -0.25
+
+
+def cola_init_(master: torch.Tensor, rank: int, d_in: int, d_out: int) -> torch.Tensor:
+    """CoLA initialisation of a global factor in place: normal(0, cola_std)."""
+    with torch.no_grad():
+        master.normal_(0.0, cola_std(rank, d_in, d_out))
+    return master
+
+
+def sharded_params(model: torch.nn.Module, prefix: str = ""):
+    """(global key, global shape, local slice of the global tensor -> local tensor, param) for
+    every parameter, from the model's sharded_state_dict (so global names and shapes follow
+    megatron's own checkpoint metadata, whatever the layout)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    by_ptr = {p.data_ptr(): p for p in model.parameters()}
+    out = []
+    for sh in nested_values(model.sharded_state_dict(prefix=prefix)):
+        data = getattr(sh, "data", None)
+        param = by_ptr.get(data.data_ptr()) if isinstance(data, torch.Tensor) else None
+        if param is None:
+            continue
+        if isinstance(sh, ShardedTensorFactory):
+            # megatron's gated fc1 (full mode) saves its local [gate_k; up_k] as two pieces of
+            # the global [gate; up]: the local tensor is their concatenation along dim 0.
+            pieces = [p for p in nested_values(sh.build()) if isinstance(p, ShardedTensor)]
+        elif isinstance(sh, ShardedTensor):
+            pieces = [sh]
+        else:
+            continue
+        first = pieces[0]
+        # Layers are stacked along prepended axes (the global layer index): they become part
+        # of the identity, "decoder.layers.mlp.linear_fc1.A_up@3".
+        pre = first.prepend_axis_num
+        key = first.key if not pre else (
+            first.key + "@" + ".".join(str(o) for o in first.global_offset[:pre]))
+        out.append((key, tuple(first.global_shape[pre:]), _slicer(pieces), param))
+    return out
+
+
+def _slicer(pieces):
+    """global tensor -> this rank's local tensor (pieces concatenated along dim 0)."""
+    def slice_(global_tensor):
+        parts = []
+        for sh in pieces:
+            pre = sh.prepend_axis_num
+            # global_offset includes the prepended (layer) axes; local_shape does not.
+            idx = tuple(slice(o, o + n) for o, n in zip(sh.global_offset[pre:], sh.local_shape))
+            parts.append(global_tensor[idx])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return slice_
+
+
+def _init_rule(key: str, shape, shapes_by_key, config, gen) -> torch.Tensor:
+    """The global tensor of ``key``: ones for norms, CoLA's normal for bottleneck factors
+    (with ``cola_init``), else megatron's normal(init_method_std), scaled by 1/sqrt(2L) for
+    output projections (megatron's scaled_init_method_normal)."""
+    base, at, layer = key.partition("@")
+    name = base.rsplit(".", 1)[-1]
+    if "layernorm" in key or name == "layer_norm_weight" or key.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.startswith(("A_", "B_")) and config.cola_init:
+        proj = name[2:]
+        a_shape = shapes_by_key[f"{base[: -len(name)]}A_{proj}{at}{layer}"]  # [r, d_in]
+        b_shape = shapes_by_key[f"{base[: -len(name)]}B_{proj}{at}{layer}"]  # [d_out, r]
+        return torch.randn(shape, generator=gen) * cola_std(a_shape[0], a_shape[1], b_shape[0])
+    std = config.init_method_std
+    if name.startswith("B_") or "linear_proj" in key or "linear_fc2" in key:
+        std = std / math.sqrt(2.0 * config.num_layers)  # megatron's scaled output init
+    return torch.randn(shape, generator=gen) * std
+
+
+def init_global_weights(chunks: Iterable[torch.nn.Module], seed: int, config) -> None:
+    """Initialise every parameter from ``seed`` and its global checkpoint key, so the global
+    (unsharded) weights are identical for every mode that shares the key and every TP/PP
+    layout. Each global tensor is drawn from its own generator and sliced."""
+    entries = [e for chunk in chunks for e in sharded_params(chunk)]
+    shapes = {key: shape for key, shape, _, _ in entries}
+    with torch.no_grad():
+        for key, shape, slicer, param in entries:
+            gen = torch.Generator().manual_seed(seed ^ zlib.crc32(key.encode()))
+            full = _init_rule(key, shape, shapes, config, gen)
+            local = slicer(full)
+            if local.shape != param.shape:
+                raise RuntimeError(f"init of {key}: slice {tuple(local.shape)} of global "
+                                   f"{tuple(shape)} does not match the parameter "
+                                   f"{tuple(param.shape)}")
+            param.copy_(local.to(param.dtype))

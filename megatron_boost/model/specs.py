@@ -1,0 +1,139 @@
+"""megatron-core layer specs of the three TP modes (docs/design.md §2) and the one-rank
+decoder group of the naive mode.
+
+* full:  megatron-core's local spec (RMSNorm, SwiGLU, RoPE, no biases): the full-rank baseline.
+* naive: the naive bottleneck linears in the four linear slots. Attention, the MLP activation
+         and the norms run on the replicated stream, duplicated on every TP rank, so the
+         decoder is built with a one-rank "TP" group (:func:`_replicated_decoder_pgs`) and the
+         bottlenecks receive the real TP group from the spec.
+* boost: BoostLinearQKV / BoostLinearFC1 (fused online-RMSNorm, docs/design.md §3) and
+         BoostLinearRow; IdentityOp for input_layernorm / pre_mlp_layernorm.
+
+Both bottleneck modes use :class:`BottleneckTransformerLayer`, megatron's layer with optional
+low-rank activation checkpointing (docs/design.md §7).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
+from megatron_boost.model.layers import (
+    BottleneckGroup,
+    BoostLinearFC1,
+    BoostLinearQKV,
+    BoostLinearRow,
+    NaiveLinearFC1,
+    NaiveLinearQKV,
+    NaiveLinearRow,
+)
+from megatron_boost.parallel.recompute import lowrank_checkpoint
+
+__all__ = ["get_layer_spec", "BottleneckTransformerLayer", "default_pg_collection"]
+
+_SELF_GROUP = {}
+
+
+def _self_group():
+    """A process group holding only this rank (created collectively, once)."""
+    if "group" not in _SELF_GROUP:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for r in range(world):  # every rank must create every group, in the same order
+            g = dist.new_group([r])
+            if r == rank:
+                _SELF_GROUP["group"] = g
+    return _SELF_GROUP["group"]
+
+
+def default_pg_collection() -> ProcessGroupCollection:
+    """megatron-core's process groups (parallel_state must be initialised)."""
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def _replicated_decoder_pgs(pgs: ProcessGroupCollection) -> ProcessGroupCollection:
+    """The naive decoder's groups: TP replaced by a one-rank group (attention, MLP activation
+    and norms run on the full, replicated tensors)."""
+    naive = copy.copy(pgs)
+    naive.tp = _self_group()
+    if hasattr(pgs, "tp_cp"):
+        naive.tp_cp = pgs.cp if hasattr(pgs, "cp") else naive.tp
+    return naive
+
+
+class BottleneckTransformerLayer(TransformerLayer):
+    """megatron's TransformerLayer with optional low-rank activation checkpointing
+    (``config.lowrank_recompute``); otherwise unchanged."""
+
+    def forward(self, *args, **kwargs):
+        if not (self.config.lowrank_recompute and self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        if args:
+            hidden, args = args[0], args[1:]
+        else:
+            hidden = kwargs.pop("hidden_states")
+
+        def run(h):
+            return super(BottleneckTransformerLayer, self).forward(h, *args, **kwargs)[0]
+
+        groups = [m for m in self.modules() if isinstance(m, BottleneckGroup)]
+        return lowrank_checkpoint(run, groups, hidden), None
+
+
+def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
+    """The TransformerLayer spec of ``config.tp_mode``.
+
+    ``tp_group`` is the real tensor-parallel group (naive passes it to its bottlenecks)."""
+    # A private copy: megatron may hand out the same spec object to every caller.
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    if config.tp_mode is TPMode.FULL:
+        return spec
+    spec.module = BottleneckTransformerLayer
+    if config.tp_mode is TPMode.NAIVE:
+        _naive_slots(spec, tp_group)
+    else:
+        _boost_slots(spec)
+    return spec
+
+
+def _naive_slots(spec: ModuleSpec, tp_group) -> None:
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    group = {"bottleneck_tp_group": tp_group}
+    # linear_qkv is called directly by SelfAttention (no build_module), so it gets a subclass
+    # bound to the group rather than ModuleSpec params.
+    attn.linear_qkv = type("NaiveLinearQKVBound", (NaiveLinearQKV,),
+                           {"__init__": _bind_group(NaiveLinearQKV, tp_group)})
+    attn.linear_proj = ModuleSpec(module=NaiveLinearRow, params=group)
+    mlp.linear_fc1 = ModuleSpec(module=NaiveLinearFC1, params=group)
+    mlp.linear_fc2 = ModuleSpec(module=NaiveLinearRow, params=group)
+
+
+def _boost_slots(spec: ModuleSpec) -> None:
+    sub = spec.submodules
+    attn, mlp = sub.self_attention.submodules, sub.mlp.submodules
+    # Norms fused into the column layers; checkpoint keys stay those of a plain layer.
+    attn.linear_qkv = BoostLinearQKV
+    attn.linear_proj = BoostLinearRow
+    mlp.linear_fc1 = BoostLinearFC1
+    mlp.linear_fc2 = BoostLinearRow
+    sub.input_layernorm = IdentityOp
+    sub.pre_mlp_layernorm = IdentityOp
+    # The fused norm weights are already named like megatron's canonical (TE-style) keys,
+    # self_attention.linear_qkv.layer_norm_weight and mlp.linear_fc1.layer_norm_weight, to which
+    # the local spec maps its separate norms: the same checkpoint keys in every mode
+    # (docs/design.md §8).
+    sub.sharded_state_dict_keys_map = {}
+
+
+def _bind_group(cls, tp_group):
+    def __init__(self, *args, **kwargs):
+        kwargs["bottleneck_tp_group"] = tp_group
+        cls.__init__(self, *args, **kwargs)
+    return __init__
