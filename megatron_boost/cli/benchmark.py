@@ -66,54 +66,36 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-def bench_worker(rank: int, world: int, job: dict) -> dict:
-    """Build every mode's model, run interleaved warm-up + timed steps, then measure comm,
-    saved activations. Returns per-mode raw numbers of this rank."""
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_boost.analysis.collectives import record_collectives
-    from megatron_boost.analysis.memory import SavedActivations
-    from megatron_boost.config.run import RunConfig, to_transformer_config
+def _build_run(job: dict, mode: str, dtype) -> dict:
+    """One mode's DDP model, optimizer and synthetic micro-batches, and empty measurements."""
+    from megatron_boost.config.run import to_transformer_config
     from megatron_boost.data.synthetic import synthetic_microbatches
     from megatron_boost.model.gpt import padded_vocab_size
-    from megatron_boost.train.step import (_run_schedule, build_ddp_model, build_optimizer,
-                                         initialize_parallel, make_forward_step, train_step)
+    from megatron_boost.train.step import build_ddp_model, build_optimizer
 
-    torch.set_num_threads(job["threads"])
-    tp, pp = job["tp"], job["pp"]
-    initialize_parallel(tp, pp, None, job["seed"])
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    base: RunConfig = job["cfg"]
-    seq, mb, gbs = job["seq_length"], job["micro_batch_size"], job["global_batch_size"]
-    n_micro = gbs // mb
-    dtype = torch.bfloat16 if job["dtype"] == "bf16" else torch.float32
+    tp, pp, seq, mb = job["tp"], job["pp"], job["seq_length"], job["micro_batch_size"]
+    cfg = copy.deepcopy(job["cfg"])
+    cfg.parallel.mode, cfg.parallel.tp, cfg.parallel.pp = mode, tp, pp
+    cfg.training.recompute = job["recompute"]
+    config = to_transformer_config(cfg, params_dtype=dtype)
+    vocab = padded_vocab_size(cfg.model.vocab_size, tp)
+    ddp = build_ddp_model(config, vocab, seq, job["seed"])
+    opt = build_optimizer(config, ddp, lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
+                          weight_decay=cfg.optimizer.weight_decay,
+                          clip_grad=cfg.optimizer.clip_grad)
+    micro = synthetic_microbatches(cfg.model.vocab_size, seq, mb, job["global_batch_size"],
+                                   job["seed"] + 1)
+    return {"cfg": cfg, "config": config, "ddp": ddp, "opt": opt, "micro": micro,
+            "vocab": vocab, "times": [], "losses": [], "load": [], "own_cpu": [],
+            "sys_busy": []}
 
-    runs = {}
-    for mode in job["modes"]:
-        cfg = copy.deepcopy(base)
-        cfg.parallel.mode, cfg.parallel.tp, cfg.parallel.pp = mode, tp, pp
-        cfg.training.recompute = job["recompute"]
-        config = to_transformer_config(cfg, params_dtype=dtype)
-        vocab = padded_vocab_size(cfg.model.vocab_size, tp)
-        ddp = build_ddp_model(config, vocab, seq, job["seed"])
-        opt = build_optimizer(config, ddp, lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
-                              weight_decay=cfg.optimizer.weight_decay,
-                              clip_grad=cfg.optimizer.clip_grad)
-        micro = synthetic_microbatches(cfg.model.vocab_size, seq, mb, n_micro * mb,
-                                       job["seed"] + 1)
-        runs[mode] = {"cfg": cfg, "config": config, "ddp": ddp, "opt": opt, "micro": micro,
-                      "vocab": vocab, "times": [], "losses": [], "load": [], "own_cpu": [],
-                      "sys_busy": []}
-    forward_step = make_forward_step(next)
 
-    def step(r):
-        its = [iter(r["micro"]) for _ in r["ddp"]]
-        return train_step(forward_step, its, r["ddp"], r["opt"], n_micro, seq, mb)
+def _timed_steps(runs: dict, job: dict, step) -> None:
+    """Warm-up + timed steps, the modes interleaved, each between two barriers."""
+    import torch.distributed as dist
 
     for i in range(job["warmup"] + job["steps"]):
-        for mode, r in runs.items():
+        for r in runs.values():
             dist.barrier()
             t0, c0, b0 = time.perf_counter(), _own_cpu_s(), _system_busy_s()
             out = step(r)
@@ -127,25 +109,56 @@ def bench_worker(rank: int, world: int, job: dict) -> dict:
             if out["loss"] is not None:
                 r["losses"].append(out["loss"])
 
-    results = {}
-    for mode, r in runs.items():
-        # TP collectives of one whole step (untimed).
-        with record_collectives(tp_group) as log:
-            step(r)
-        # Saved activations of one micro-batch forward (grad enabled, graph then dropped).
-        params = [p for m in r["ddp"] for p in m.parameters()]
-        its = [iter(r["micro"][:1]) for _ in r["ddp"]]
-        with SavedActivations(exclude=params) as acc:
-            _run_schedule(forward_step, its, r["ddp"], 1, seq, mb, forward_only=True)
-        results[mode] = {
-            "times": r["times"], "losses": r["losses"], "load": r["load"],
-            "own_cpu": r["own_cpu"], "sys_busy": r["sys_busy"],
-            "comm": {"fwd_bytes": log.bytes("fwd"), "bwd_bytes": log.bytes("bwd"),
-                     "fwd_count": log.count("fwd"), "bwd_count": log.count("bwd")},
-            "saved_bytes": acc.bytes, "saved_tensors": acc.count,
-            "params_local": sum(p.numel() for p in params),
-            "vocab": r["vocab"],
-        }
+
+def _untimed_measurements(r: dict, job: dict, step, forward_step) -> dict:
+    """TP collectives of one more step and saved activations of one micro-batch forward."""
+    from megatron.core import parallel_state
+
+    from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.analysis.memory import SavedActivations
+    from megatron_boost.train.step import _run_schedule
+
+    with record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
+        step(r)
+    # Saved activations of one micro-batch forward (grad enabled, graph then dropped).
+    params = [p for m in r["ddp"] for p in m.parameters()]
+    its = [iter(r["micro"][:1]) for _ in r["ddp"]]
+    with SavedActivations(exclude=params) as acc:
+        _run_schedule(forward_step, its, r["ddp"], 1, job["seq_length"],
+                      job["micro_batch_size"], forward_only=True)
+    return {
+        "times": r["times"], "losses": r["losses"], "load": r["load"],
+        "own_cpu": r["own_cpu"], "sys_busy": r["sys_busy"],
+        "comm": {"fwd_bytes": log.bytes("fwd"), "bwd_bytes": log.bytes("bwd"),
+                 "fwd_count": log.count("fwd"), "bwd_count": log.count("bwd")},
+        "saved_bytes": acc.bytes, "saved_tensors": acc.count,
+        "params_local": sum(p.numel() for p in params),
+        "vocab": r["vocab"],
+    }
+
+
+def bench_worker(rank: int, world: int, job: dict) -> dict:
+    """Build every mode's model, run interleaved warm-up + timed steps, then measure comm,
+    saved activations. Returns per-mode raw numbers of this rank."""
+    import torch
+
+    from megatron_boost.train.step import initialize_parallel, make_forward_step, train_step
+
+    torch.set_num_threads(job["threads"])
+    initialize_parallel(job["tp"], job["pp"], None, job["seed"])
+    seq, mb = job["seq_length"], job["micro_batch_size"]
+    n_micro = job["global_batch_size"] // mb
+    dtype = torch.bfloat16 if job["dtype"] == "bf16" else torch.float32
+    runs = {mode: _build_run(job, mode, dtype) for mode in job["modes"]}
+    forward_step = make_forward_step(next)
+
+    def step(r):
+        its = [iter(r["micro"]) for _ in r["ddp"]]
+        return train_step(forward_step, its, r["ddp"], r["opt"], n_micro, seq, mb)
+
+    _timed_steps(runs, job, step)
+    results = {mode: _untimed_measurements(r, job, step, forward_step)
+               for mode, r in runs.items()}
     runs.clear()
     gc.collect()
     return results
@@ -266,8 +279,8 @@ def _png(rows, ratios, path):
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-boost-benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config")
     parser.add_argument("--tp", type=int, required=True)
@@ -287,56 +300,31 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=2")
-    args = parser.parse_args(argv)
+    return parser
 
-    from megatron_boost.runtime.spawn import run_distributed
-    from megatron_boost.config.run import load_run_config
 
-    cfg = load_run_config(args.config, args.overrides)
-    seq = args.seq_length or cfg.model.seq_length
-    cfg.model.seq_length = seq
-    mb = args.micro_batch_size or cfg.training.micro_batch_size
-    gbs = args.global_batch_size or cfg.training.global_batch_size
-    if gbs % mb:
-        print(f"error: global batch ({gbs}) must be a multiple of micro-batch ({mb})",
-              file=sys.stderr)
-        return 2
-    dtype = "bf16" if cfg.training.precision == "bf16" else "fp32"
-    recompute = None if args.recompute == "none" else args.recompute
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-
+def _unavailable(cfg, modes, tp, pp, recompute) -> dict:
+    """Per mode the config rejects at this layout, the reason (printed to stderr)."""
     unavailable = {}
     for mode in modes:
-        why = _validate_mode(cfg, mode, args.tp, args.pp, recompute)
+        why = _validate_mode(cfg, mode, tp, pp, recompute)
         if why:
             unavailable[mode] = why
             what = "recompute=lowrank is unavailable" if recompute == "lowrank" else \
                 "not runnable"
             print(f"{mode}: {what}: {why}", file=sys.stderr)
-    run_modes = [m for m in modes if m not in unavailable]
-    single_why = None
-    if args.single:
-        single_why = _validate_mode(cfg, "boost", 1, 1, recompute)
-        if single_why:
-            print(f"single: not runnable: {single_why}", file=sys.stderr)
+    return unavailable
 
-    load0 = os.getloadavg()
-    print(f"config {args.config}: d={cfg.model.hidden_size} f={cfg.model.ffn_hidden_size} "
-          f"L={cfg.model.num_layers} h={cfg.model.num_attention_heads} "
-          f"r={cfg.model.resolved_ranks()} V={cfg.model.vocab_size}  S={seq} mb={mb} "
-          f"gbs={gbs} ({gbs // mb} micro-batches/step) {dtype} TP={args.tp} PP={args.pp} "
-          f"recompute={args.recompute}  steps={args.steps} warmup={args.warmup}")
-    print(f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} "
-          f"({os.cpu_count()} CPUs)")
-    job = {"cfg": cfg, "tp": args.tp, "pp": args.pp, "seq_length": seq,
-           "micro_batch_size": mb, "global_batch_size": gbs, "dtype": dtype,
-           "recompute": recompute, "steps": args.steps, "warmup": args.warmup,
-           "seed": args.seed, "threads": 1, "modes": run_modes}
-    rows = []
-    raw_by_mode = {}
-    if run_modes:
+
+def _run_rows(args, cfg, job: dict, modes, unavailable: dict, single_why) -> list:
+    """Run the runnable modes (and the single-process row) and aggregate one row each."""
+    from megatron_boost.runtime.spawn import run_distributed
+
+    seq, mb, gbs = job["seq_length"], job["micro_batch_size"], job["global_batch_size"]
+    rows, raw_by_mode = [], {}
+    if job["modes"]:
         per_rank = run_distributed(bench_worker, args.tp * args.pp, job, timeout=3600)
-        raw_by_mode = {m: [r[m] for r in per_rank] for m in run_modes}
+        raw_by_mode = {m: [r[m] for r in per_rank] for m in job["modes"]}
     for mode in modes:
         label = f"{mode} TP={args.tp}" + (f" PP={args.pp}" if args.pp > 1 else "")
         if mode in unavailable:
@@ -353,8 +341,10 @@ def main(argv=None) -> int:
             raw = run_distributed(bench_worker, 1, sjob, timeout=3600)
             rows.append(_row(label, "boost", [raw[0]["boost"]], cfg, 1, 1, seq, gbs, mb))
             rows[-1]["single"] = True
-    load1 = os.getloadavg()
+    return rows
 
+
+def _ratios(rows) -> dict:
     by = {r["label"].split()[0] if not r.get("single") else "single": r
           for r in rows if not r.get("unavailable")}
 
@@ -363,9 +353,30 @@ def main(argv=None) -> int:
             return by[a]["step_time_median_s"] / by[b]["step_time_median_s"]
         return None
 
-    ratios = {"boost/naive speed": ratio("naive", "boost"),
-              "boost/full speed": ratio("full", "boost"),
-              "boost TP time / single time": ratio("boost", "single")}
+    return {"boost/naive speed": ratio("naive", "boost"),
+            "boost/full speed": ratio("full", "boost"),
+            "boost TP time / single time": ratio("boost", "single")}
+
+
+def _targets(ratios: dict, tp: int) -> dict:
+    """The TP=2 targets (printed, never enforced)."""
+    targets = {}
+    if tp != 2:
+        return targets
+    for name, key, thr, better in (
+            ("boost >= 1.9x faster than naive", "boost/naive speed", 1.9, "ge"),
+            ("boost >= 1.7x faster than full", "boost/full speed", 1.7, "ge"),
+            ("boost TP=2 within 10% of single", "boost TP time / single time", 1.10, "le")):
+        v = ratios[key]
+        if v is None:
+            continue
+        met = v >= thr if better == "ge" else v <= thr
+        targets[name] = {"value": v, "threshold": thr, "met": met}
+        print(f"target {name}: {v:.2f} -> {'met' if met else 'NOT met'}")
+    return targets
+
+
+def _print_summary(rows, ratios: dict, load1) -> None:
     _print_table(rows)
     print("step s: median over the timed steps (barrier to barrier, all ranks); TP comm: bytes "
           "handed to TP collectives in one step (fwd + bwd, rank 0); saved act: bytes autograd "
@@ -377,37 +388,68 @@ def main(argv=None) -> int:
     for k, v in ratios.items():
         if v is not None:
             print(f"{k}: {v:.2f}x")
-    targets = {}
-    if args.tp == 2:
-        for name, key, thr, better in (
-                ("boost >= 1.9x faster than naive", "boost/naive speed", 1.9, "ge"),
-                ("boost >= 1.7x faster than full", "boost/full speed", 1.7, "ge"),
-                ("boost TP=2 within 10% of single", "boost TP time / single time", 1.10,
-                 "le")):
-            v = ratios[key]
-            if v is None:
-                continue
-            met = v >= thr if better == "ge" else v <= thr
-            targets[name] = {"value": v, "threshold": thr, "met": met}
-            print(f"target {name}: {v:.2f} -> {'met' if met else 'NOT met'}")
-    report = {
+
+
+def _report(args, cfg, job: dict, rows, ratios, targets, load0, load1) -> dict:
+    m = cfg.model
+    return {
         "config": args.config, "overrides": args.overrides, "tp": args.tp, "pp": args.pp,
-        "seq_length": seq, "micro_batch_size": mb, "global_batch_size": gbs, "dtype": dtype,
+        "seq_length": job["seq_length"], "micro_batch_size": job["micro_batch_size"],
+        "global_batch_size": job["global_batch_size"], "dtype": job["dtype"],
         "recompute": args.recompute, "steps": args.steps, "warmup": args.warmup,
-        "model": {"hidden_size": cfg.model.hidden_size,
-                  "ffn_hidden_size": cfg.model.ffn_hidden_size,
-                  "num_layers": cfg.model.num_layers,
-                  "num_attention_heads": cfg.model.num_attention_heads,
-                  "ranks": list(cfg.model.resolved_ranks()),
-                  "vocab_size": cfg.model.vocab_size},
+        "model": {"hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
+                  "num_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+                  "ranks": list(m.resolved_ranks()), "vocab_size": m.vocab_size},
         "load_avg_before": list(load0), "load_avg_after": list(load1),
         "cpu_count": os.cpu_count(),
         "modes": {r["label"]: r for r in rows}, "ratios": ratios, "targets": targets,
     }
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_boost.config.run import load_run_config
+
+    cfg = load_run_config(args.config, args.overrides)
+    seq = args.seq_length or cfg.model.seq_length
+    cfg.model.seq_length = seq
+    mb = args.micro_batch_size or cfg.training.micro_batch_size
+    gbs = args.global_batch_size or cfg.training.global_batch_size
+    if gbs % mb:
+        print(f"error: global batch ({gbs}) must be a multiple of micro-batch ({mb})",
+              file=sys.stderr)
+        return 2
+    dtype = "bf16" if cfg.training.precision == "bf16" else "fp32"
+    recompute = None if args.recompute == "none" else args.recompute
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unavailable = _unavailable(cfg, modes, args.tp, args.pp, recompute)
+    single_why = None
+    if args.single:
+        single_why = _validate_mode(cfg, "boost", 1, 1, recompute)
+        if single_why:
+            print(f"single: not runnable: {single_why}", file=sys.stderr)
+    load0 = os.getloadavg()
+    print(f"config {args.config}: d={cfg.model.hidden_size} f={cfg.model.ffn_hidden_size} "
+          f"L={cfg.model.num_layers} h={cfg.model.num_attention_heads} "
+          f"r={cfg.model.resolved_ranks()} V={cfg.model.vocab_size}  S={seq} mb={mb} "
+          f"gbs={gbs} ({gbs // mb} micro-batches/step) {dtype} TP={args.tp} PP={args.pp} "
+          f"recompute={args.recompute}  steps={args.steps} warmup={args.warmup}")
+    print(f"load average before: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} "
+          f"({os.cpu_count()} CPUs)")
+    job = {"cfg": cfg, "tp": args.tp, "pp": args.pp, "seq_length": seq,
+           "micro_batch_size": mb, "global_batch_size": gbs, "dtype": dtype,
+           "recompute": recompute, "steps": args.steps, "warmup": args.warmup,
+           "seed": args.seed, "threads": 1,
+           "modes": [m for m in modes if m not in unavailable]}
+    rows = _run_rows(args, cfg, job, modes, unavailable, single_why)
+    load1 = os.getloadavg()
+    ratios = _ratios(rows)
+    _print_summary(rows, ratios, load1)
+    targets = _targets(ratios, args.tp)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
+            json.dump(_report(args, cfg, job, rows, ratios, targets, load0, load1), fh,
+                      indent=2)
     if args.png:
         _png(rows, ratios, args.png)
     return 0
-
