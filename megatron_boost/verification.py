@@ -65,19 +65,11 @@ def model_config(spec: LayoutSpec):
 
 
 def _batches(spec: LayoutSpec, vocab: int, dp: int, dp_rank: int):
-    g = torch.Generator().manual_seed(spec.seed + 1)
-    tokens = torch.randint(0, vocab, (spec.global_batch_size, spec.seq_length + 1), generator=g)
-    per_dp = spec.global_batch_size // dp
-    mine = tokens[dp_rank * per_dp:(dp_rank + 1) * per_dp]
-    micro = []
-    for i in range(0, per_dp, spec.micro_batch_size):
-        t = mine[i:i + spec.micro_batch_size]
-        micro.append({
-            "tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous(),
-            "loss_mask": torch.ones(t.shape[0], spec.seq_length),
-            "position_ids": torch.arange(spec.seq_length).expand(t.shape[0], -1).contiguous(),
-        })
-    return micro
+    """This DP rank's synthetic micro-batches of the layout's global batch (seed + 1)."""
+    from megatron_boost.data.synthetic import synthetic_microbatches
+
+    return synthetic_microbatches(vocab, spec.seq_length, spec.micro_batch_size,
+                                  spec.global_batch_size, spec.seed + 1, dp, dp_rank)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,11 +1,12 @@
-"""Performance accounting (megatron_boost/analysis/accounting.py) and the tools built on it.
+"""Performance accounting (megatron_boost/analysis: flops, comm, comm_report, memory) and the
+tools built on it.
 
 * analytic FLOPs against torch's FlopCounterMode: the whole model forward + backward, one
   process (TP=1), every mode; and per TP rank at TP=2 (naive duplicates the attention core);
 * saved-activation accounting: exact on a toy graph, parameters excluded; boost saves less per
   rank than naive at TP=2;
 * tools/comm_volume.py's measurement: one decoder layer per mode at TP=2, measured bytes and
-  counts == DESIGN.md's formula, exact integers (GQA and separate attention / MLP ranks);
+  counts == docs/design.md §5's formula, exact integers (GQA and separate attention / MLP ranks);
 * the published CoLA-7B anchor (B=4, S=4096, bf16, TP=4) from the formula;
 * tools/benchmark.py end to end on configs/debug.yaml (fields only, never speed).
 """
@@ -20,9 +21,11 @@ import pytest
 from megatron_boost.runtime.spawn import run_distributed
 import torch
 
-from megatron_boost.analysis import accounting
-from megatron_boost.analysis.accounting import (GIB, LayerCommSpec, SavedActivations, comm_volume_report,
-                                       layer_comm_formula)
+from megatron_boost.analysis.comm import LayerCommSpec, layer_comm_formula, measure_layer_comm_specs
+from megatron_boost.analysis.comm_report import GIB, comm_volume_report
+from megatron_boost.analysis.flops import (count_flops, forward_flops_per_token, rank_step_flops,
+                                           step_flops)
+from megatron_boost.analysis.memory import SavedActivations
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("full", "naive", "boost")
@@ -48,7 +51,8 @@ def _run_config(mode, tp):
 def _model_stats(mode, tp):
     """FLOPs (forward; forward + backward) and saved activation bytes of one micro-batch."""
     from megatron_boost.config.run import to_transformer_config
-    from megatron_boost.model.gpt import build_model, init_global_weights, padded_vocab_size
+    from megatron_boost.model.gpt import build_model, padded_vocab_size
+    from megatron_boost.model.init import init_global_weights
 
     cfg = _run_config(mode, tp)
     config = to_transformer_config(cfg)
@@ -69,8 +73,8 @@ def _model_stats(mode, tp):
     with SavedActivations(exclude=model.parameters()) as acc:
         out = forward()
     del out
-    _, fwd = accounting.count_flops(forward)
-    _, total = accounting.count_flops(train)
+    _, fwd = count_flops(forward)
+    _, total = count_flops(train)
     return {"fwd": fwd, "total": total, "saved": acc.bytes, "excluded_hits": acc.excluded_hits,
             "vocab": vocab}
 
@@ -91,7 +95,7 @@ def _worker(rank, world):
     out["tp2"] = {m: _model_stats(m, 2) for m in MODES}
     specs = [LayerCommSpec(model=MODEL, mode=m, tp=2, seq_length=8, micro_batch_size=2)
              for m in MODES]
-    out["layer"] = {r["mode"]: r for r in accounting.measure_layer_comm_specs(rank, specs)}
+    out["layer"] = {r["mode"]: r for r in measure_layer_comm_specs(rank, specs)}
     return out
 
 
@@ -114,9 +118,9 @@ def test_flops_formula_matches_flop_counter_one_process(stats, mode):
     match is exact: the tolerance only guards float formatting."""
     s = stats[0]["tp1"][mode]
     cfg = _run_config(mode, 1)
-    fwd = accounting.forward_flops_per_token(cfg, mode, s["vocab"], S) * B * S
+    fwd = forward_flops_per_token(cfg, mode, vocab_size=s["vocab"], seq_length=S) * B * S
     assert s["fwd"] == pytest.approx(fwd, rel=1e-9)
-    assert s["total"] == pytest.approx(accounting.step_flops(cfg, mode, B * S, s["vocab"], S),
+    assert s["total"] == pytest.approx(step_flops(cfg, mode, B * S, s["vocab"], S),
                                        rel=1e-9)
     assert s["total"] == 3 * s["fwd"]
 
@@ -129,8 +133,8 @@ def test_rank_flops_formula_matches_flop_counter_tp2(stats, mode):
     for rank in (0, 1):
         s = stats[rank]["tp2"][mode]
         assert s["total"] == pytest.approx(
-            accounting.rank_step_flops(cfg, mode, B * S, s["vocab"], S, 2), rel=1e-9)
-    model_flops = accounting.step_flops(cfg, mode, B * S, stats[0]["tp2"][mode]["vocab"], S)
+            rank_step_flops(cfg, mode, B * S, s["vocab"], S, 2), rel=1e-9)
+    model_flops = step_flops(cfg, mode, B * S, stats[0]["tp2"][mode]["vocab"], S)
     executed = stats[0]["tp2"][mode]["total"] + stats[1]["tp2"][mode]["total"]
     if mode == "naive":
         assert executed > model_flops  # the duplicated attention core
@@ -139,22 +143,20 @@ def test_rank_flops_formula_matches_flop_counter_tp2(stats, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_rank_flops_parts_agree_with_flops_module(mode):
-    """rank_step_flops splits the same per-token terms megatron_boost.analysis.flops sums."""
+def test_rank_flops_at_tp1_equal_model_flops(mode):
+    """One TP rank of TP=1 executes exactly the model FLOPs (nothing split, nothing
+    duplicated)."""
     cfg = _run_config(mode, 1)
-    p = accounting._flop_parts(cfg, mode, 256, S)
-    assert (p["layers"] * (p["proj"] + p["core"]) + p["head"]
-            == pytest.approx(accounting.forward_flops_per_token(cfg, mode, 256, S), rel=1e-12))
-    assert accounting.rank_step_flops(cfg, mode, 7, 256, S, 1) == pytest.approx(
-        accounting.step_flops(cfg, mode, 7, 256, S), rel=1e-12)
+    assert rank_step_flops(cfg, mode, 7, 256, S, 1) == pytest.approx(
+        step_flops(cfg, mode, 7, 256, S), rel=1e-12)
 
 
 def test_naive_and_boost_have_the_same_model_flops():
     cfg = _run_config("boost", 1)
-    assert (accounting.step_flops(cfg, "naive", 1024, 256, S)
-            == accounting.step_flops(cfg, "boost", 1024, 256, S))
-    assert (accounting.step_flops(cfg, "full", 1024, 256, S)
-            > accounting.step_flops(cfg, "boost", 1024, 256, S))
+    assert (step_flops(cfg, "naive", 1024, 256, S)
+            == step_flops(cfg, "boost", 1024, 256, S))
+    assert (step_flops(cfg, "full", 1024, 256, S)
+            > step_flops(cfg, "boost", 1024, 256, S))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,13 +178,19 @@ def test_saved_activations_exact_on_a_toy_graph():
 
 
 def test_saved_activations_ignore_recompute_in_backward():
+    """Reentrant checkpointing runs the wrapped function under no_grad in forward (only the
+    checkpoint's input is saved) and re-runs it with grad enabled inside backward, where the
+    hooks see the linear's input and the relu output packed again: those re-forward tensors
+    must not be counted."""
     lin = torch.nn.Linear(16, 16, bias=False)
     x = torch.randn(4, 16, requires_grad=True)
     with SavedActivations(exclude=lin.parameters()) as acc:
         y = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(lin(t)), x,
-                                              use_reentrant=False)
-        saved_in_forward = acc.bytes
+                                              use_reentrant=True)
+        saved_in_forward, packed_in_forward = acc.bytes, acc.packed
         y.sum().backward()  # the re-forward runs inside backward: not counted
+    assert saved_in_forward == 4 * 16 * 4  # the checkpoint's input x only
+    assert acc.packed == packed_in_forward
     assert acc.bytes == saved_in_forward
 
 
@@ -302,7 +310,8 @@ def test_benchmark_cli_end_to_end(tmp_path):
 def test_benchmark_lowrank_recompute_passes_through(tmp_path):
     """--recompute lowrank is handed to the config as training.recompute=lowrank. The config
     accepts it for the bottleneck modes (BOOST's low-rank activation checkpointing) and rejects
-    it for the full-rank model, which is then reported unavailable (and not run)."""
+    it for the full-rank model, which is then reported unavailable (and not run); boost must
+    really run with it."""
     out = tmp_path / "bench.json"
     r = subprocess.run(
         [sys.executable, "tools/benchmark.py", "--config", "configs/debug.yaml", "--tp", "2",
@@ -313,7 +322,8 @@ def test_benchmark_lowrank_recompute_passes_through(tmp_path):
     assert rep["recompute"] == "lowrank"
     full, boost = rep["modes"]["full TP=2"], rep["modes"]["boost TP=2"]
     assert full.get("unavailable") and "recompute=lowrank is unavailable" in r.stderr
-    if boost.get("unavailable"):  # a tree without low-rank checkpointing
-        assert "lowrank" in boost["unavailable"]
-    else:
-        assert boost["step_time_median_s"] > 0 and boost["tp_comm_bytes_per_step"] > 0
+    assert not boost.get("unavailable"), boost.get("unavailable")
+    assert ROW_FIELDS <= set(boost), ROW_FIELDS - set(boost)
+    assert len(boost["step_times_s"]) == 1 and boost["step_time_median_s"] > 0
+    assert boost["tp_comm_bytes_per_step"] > 0
+    assert boost["saved_activation_bytes_per_microbatch"] > 0

@@ -1,4 +1,4 @@
-"""Tests of the analytical cluster performance model (megatron_boost/perf/model.py)."""
+"""Tests of the analytical cluster performance model (megatron_boost/perf)."""
 
 import dataclasses
 import json
@@ -8,13 +8,30 @@ import sys
 
 import pytest
 
+from megatron_boost.analysis.comm import layer_comm_formula
+from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.cli.perf_model import main
 from megatron_boost.perf import model as pm
+from megatron_boost.perf.hardware import hardware
+from megatron_boost.perf.kernels import allreduce_time, gemm_efficiency
+from megatron_boost.perf.published import compare_published
+from megatron_boost.perf.report import format_published
+from megatron_boost.perf.search import recommend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "tools", "perf_model.py")
 
-COLA_7B = pm.ModelShape("CoLA-7B", num_layers=32, hidden=4096, ffn=11008, heads=32,
+COLA_7B = ModelShape("CoLA-7B", num_layers=32, hidden=4096, ffn=11008, heads=32,
                         vocab=32000, seq_length=4096, attn_rank=1024, mlp_rank=1024)
+
+
+
+
+def _tp_comm(shape, mode):
+    """Per-layer TP elements per token of the one formula (analysis.comm)."""
+    f = layer_comm_formula(shape, mode)
+    return {"forward": f["fwd_elems_per_token"], "backward": f["bwd_elems_per_token"],
+            "collectives": f["fwd_count"] + f["bwd_count"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -23,9 +40,9 @@ COLA_7B = pm.ModelShape("CoLA-7B", num_layers=32, hidden=4096, ffn=11008, heads=
 
 
 def test_published_table_within_15_percent_every_cell():
-    rows = pm.compare_published()
+    rows = compare_published()
     assert len(rows) == 12
-    table = pm.format_published(rows)
+    table = format_published(rows)
     for r in rows:
         assert 0.85 <= r["ratio"] <= 1.15, \
             f"{r['model']} {r['mode']}: ratio {r['ratio']}\n{table}"
@@ -36,7 +53,7 @@ def test_published_table_within_15_percent_every_cell():
 def test_published_speedup_ordering():
     """The published qualitative result: boost beats full everywhere and naive from TP2 on;
     at TP1 naive and boost run the same computation."""
-    by = {(r["model"], r["mode"]): r["predicted_s"] for r in pm.compare_published()}
+    by = {(r["model"], r["mode"]): r["predicted_s"] for r in compare_published()}
     for model in ("1B", "3B", "7B", "13B"):
         assert by[(model, "boost")] < by[(model, "full")]
     for model in ("3B", "7B", "13B"):
@@ -45,15 +62,15 @@ def test_published_speedup_ordering():
 
 
 # ---------------------------------------------------------------------------------------------
-# communication formulas (DESIGN.md §2 table)
+# communication formulas (docs/design.md §5 table)
 # ---------------------------------------------------------------------------------------------
 
 
 def test_tp_comm_formulas_match_design_table():
     d, f = 4096, 11008
-    full = pm.tp_comm_elements_per_token(COLA_7B, "full")
-    naive = pm.tp_comm_elements_per_token(COLA_7B, "naive")
-    boost = pm.tp_comm_elements_per_token(COLA_7B, "boost")
+    full = _tp_comm(COLA_7B, "full")
+    naive = _tp_comm(COLA_7B, "naive")
+    boost = _tp_comm(COLA_7B, "boost")
     assert full == {"forward": 8192, "backward": 8192, "collectives": 4}
     assert naive == {"forward": 42496, "backward": 3 * d + f, "collectives": 8}
     assert naive["forward"] == 5 * d + 2 * f
@@ -63,20 +80,20 @@ def test_tp_comm_formulas_match_design_table():
 def test_gqa_shrinks_naive_kv_terms():
     gqa = dataclasses.replace(COLA_7B, query_groups=8)
     e = 128
-    naive = pm.tp_comm_elements_per_token(gqa, "naive")
+    naive = _tp_comm(gqa, "naive")
     assert naive["forward"] == (32 + 2 * 8) * e + 4096 + 2 * 11008 + 4096
     # boost and full do not depend on the kv width
-    assert pm.tp_comm_elements_per_token(gqa, "boost")["forward"] == 7170
-    assert pm.tp_comm_elements_per_token(gqa, "full")["forward"] == 8192
+    assert _tp_comm(gqa, "boost")["forward"] == 7170
+    assert _tp_comm(gqa, "full")["forward"] == 8192
 
 
 def test_per_layer_bytes_reproduce_authors_anchor():
-    """DESIGN.md anchor (authors' README, LLaMA-7B, micro-batch 4, seq 4096, bf16, one
+    """The anchor (authors' README, LLaMA-7B, micro-batch 4, seq 4096, bf16, one
     layer, forward): full ≈ 0.25 GB, vanilla ≈ 1.32 GB, BTP ≈ 0.22 GB (the authors' logs give
     256 / 1328 / 224 MiB)."""
-    hw = pm.hardware("a100-80gb")
+    hw = hardware("a100-80gb")
     got = {}
-    for mode in pm.MODES:
+    for mode in MODES:
         pr = pm.predict(COLA_7B, pm.Layout(mode=mode, tp=4, micro_batch=4), hw)
         got[mode] = pr.comm["tp_bytes_per_layer_fwd"] / 2**30
     assert got["full"] == pytest.approx(0.25, rel=0.02)
@@ -85,9 +102,9 @@ def test_per_layer_bytes_reproduce_authors_anchor():
 
 
 def test_boost_comm_below_full_for_cola_7b():
-    hw = pm.hardware("a100-80gb")
+    hw = hardware("a100-80gb")
     preds = {m: pm.predict(COLA_7B, pm.Layout(mode=m, tp=4, micro_batch=2), hw)
-             for m in pm.MODES}
+             for m in MODES}
     assert (preds["boost"].comm["tp_bytes_per_iteration"]
             < preds["full"].comm["tp_bytes_per_iteration"]
             < preds["naive"].comm["tp_bytes_per_iteration"])
@@ -101,13 +118,13 @@ def test_boost_comm_below_full_for_cola_7b():
 
 
 def test_gemm_efficiency_saturates_and_penalises_rank_slices():
-    hw = pm.hardware("a100-80gb")
+    hw = hardware("a100-80gb")
     n, d, r, t = 16384, 4096, 1024, 4
-    naive_a = pm.gemm_efficiency(n, r // t, d, hw)      # A column-parallel: N = r/t
-    boost_a = pm.gemm_efficiency(n, 3 * r, d // t, hw)  # A row-sharded: K = d/t, N = 3r
-    dense = pm.gemm_efficiency(n, 3 * d // t, d, hw)
+    naive_a = gemm_efficiency(n, r // t, d, hw)      # A column-parallel: N = r/t
+    boost_a = gemm_efficiency(n, 3 * r, d // t, hw)  # A row-sharded: K = d/t, N = 3r
+    dense = gemm_efficiency(n, 3 * d // t, d, hw)
     assert naive_a < boost_a < dense < hw.gemm_eff_max
-    effs = [pm.gemm_efficiency(n, x, x, hw) for x in (64, 128, 256, 512, 1024, 4096, 16384)]
+    effs = [gemm_efficiency(n, x, x, hw) for x in (64, 128, 256, 512, 1024, 4096, 16384)]
     assert effs == sorted(effs) and effs[-1] < hw.gemm_eff_max
 
 
@@ -121,8 +138,8 @@ def test_pipeline_bubble_formula():
 
 
 def test_more_tp_less_memory_per_gpu():
-    hw = pm.hardware("a100-80gb")
-    for mode in pm.MODES:
+    hw = hardware("a100-80gb")
+    for mode in MODES:
         mems = [pm.predict(COLA_7B, pm.Layout(mode=mode, tp=t, micro_batch=1), hw)
                 .memory_gb["total"] for t in (1, 2, 4, 8)]
         assert all(a > b for a, b in zip(mems, mems[1:])), (mode, mems)
@@ -133,7 +150,7 @@ def test_more_tp_less_memory_per_gpu():
 
 
 def test_recompute_policies_trade_time_for_memory():
-    hw = pm.hardware("a100-80gb")
+    hw = hardware("a100-80gb")
     res = {rc: pm.predict(COLA_7B, pm.Layout(mode="boost", tp=4, micro_batch=4,
                                              recompute=rc), hw)
            for rc in pm.RECOMPUTE}
@@ -154,7 +171,7 @@ def test_params_and_dp_pp_accounting():
     # low-rank projections cost r·(d_in + d_out); embedding and head stay full rank
     assert COLA_7B.layer_params(lowrank=True) == 1024 * (4 * 8192 + 3 * (4096 + 11008)) + 8192
     assert COLA_7B.embedding_params() == 2 * 32000 * 4096 + 4096
-    hw = pm.hardware("a100-80gb")
+    hw = hardware("a100-80gb")
     one = pm.predict(COLA_7B, pm.Layout(mode="boost", tp=4, dp=1, micro_batch=2,
                                          global_batch=16), hw)
     dp4 = pm.predict(COLA_7B, pm.Layout(mode="boost", tp=4, dp=4, micro_batch=2,
@@ -170,25 +187,25 @@ def test_params_and_dp_pp_accounting():
 
 def test_hardware_table_complete():
     for name in ("a100-80gb", "a100-40gb", "h100-80gb", "h200"):
-        hw = pm.hardware(name)
+        hw = hardware(name)
         for f in dataclasses.fields(hw):
             v = getattr(hw, f.name)
             if isinstance(v, (int, float)) and f.name not in ("step_overhead_ms",):
                 assert v > 0, (name, f.name)
-    assert pm.hardware("h100-80gb").peak_bf16_tflops > pm.hardware("a100-80gb").peak_bf16_tflops
+    assert hardware("h100-80gb").peak_bf16_tflops > hardware("a100-80gb").peak_bf16_tflops
     # a switchless 4-GPU mesh gives a TP2 group only the direct pair links
-    mesh = pm.hardware("a100-80gb-perlmutter")
-    switch = pm.hardware("a100-80gb")
-    assert pm.allreduce_time(1e9, 2, mesh, True) > pm.allreduce_time(1e9, 2, switch, True)
-    assert pm.allreduce_time(1e9, 4, mesh, True) == pm.allreduce_time(1e9, 4, switch, True)
+    mesh = hardware("a100-80gb-perlmutter")
+    switch = hardware("a100-80gb")
+    assert allreduce_time(1e9, 2, mesh, True) > allreduce_time(1e9, 2, switch, True)
+    assert allreduce_time(1e9, 4, mesh, True) == allreduce_time(1e9, 4, switch, True)
     with pytest.raises(ValueError):
-        pm.hardware("tpu-v9")
+        hardware("tpu-v9")
 
 
 def test_recommend_returns_fitting_sorted_layouts():
-    hw = pm.hardware("a100-40gb")
-    res = pm.recommend(COLA_7B, 16, hw, top=3)
-    assert set(res) == set(pm.MODES)
+    hw = hardware("a100-40gb")
+    res = recommend(COLA_7B, 16, hw, top=3)
+    assert set(res) == set(MODES)
     for mode, preds in res.items():
         assert preds, mode
         assert all(p.fits for p in preds)
@@ -239,7 +256,7 @@ def test_cli_with_config(tmp_path, capsys):
         "parallel:\n  mode: boost\n  tp: 4\n  pp: 1\n"
         "training:\n  micro_batch_size: 2\n  global_batch_size: 64\n")
     out = tmp_path / "pred.json"
-    rc = pm.main(["--config", str(cfg), "--gpus", "8", "--gpu", "a100-80gb",
+    rc = main(["--config", str(cfg), "--gpus", "8", "--gpu", "a100-80gb",
                   "--recompute", "lowrank", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["flops_per_token", "forward_flops_per_token", "peak_tflops", "PEAK_TFLOPS_BF16"]
+from megatron_boost.analysis.shape import ModelShape, check_mode
+
+__all__ = ["flops_per_token", "forward_flops_per_token", "step_flops", "rank_step_flops",
+           "attention_core_flops", "count_flops", "peak_tflops", "PEAK_TFLOPS_BF16"]
 
 #: Dense bf16 peak TFLOP/s per device (no sparsity), matched as substrings of the CUDA device
 #: name, most specific first.
@@ -38,30 +41,31 @@ PEAK_TFLOPS_BF16 = (
 )
 
 
-def _get(cfg: Any, *names, default=None):
-    for name in names:
-        value = getattr(cfg, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def _model_cfg(cfg: Any) -> Any:
-    """Accept a RunConfig (uses its .model), a ModelConfig or a megatron TransformerConfig."""
-    return cfg.model if hasattr(cfg, "model") and hasattr(cfg, "parallel") else cfg
-
-
 def _mode_of(cfg: Any, mode: Optional[str]) -> str:
+    """The explicit mode, else the config's own (RunConfig.parallel.mode or tp_mode)."""
     if mode is None:
-        if hasattr(cfg, "parallel"):
-            mode = cfg.parallel.mode
-        else:
-            mode = getattr(cfg, "tp_mode", "boost")
-    mode = getattr(mode, "value", mode)
-    mode = str(mode).lower()
-    if mode not in ("full", "naive", "boost"):
-        raise ValueError(f"mode ({mode!r}) must be one of full, naive, boost")
-    return mode
+        mode = cfg.parallel.mode if hasattr(cfg, "parallel") else getattr(cfg, "tp_mode", "boost")
+    return check_mode(mode)
+
+
+def attention_core_flops(seq_length: int, heads: int, head_dim: int,
+                         causal: bool = False) -> float:
+    """Forward FLOPs per token of Q·Kᵀ and P·V over ``heads`` heads: 2·2·s·h·e, halved with
+    ``causal`` (only the unmasked half of the s×s scores)."""
+    return 4.0 * seq_length * heads * head_dim * (0.5 if causal else 1.0)
+
+
+def _layer_parts(shape: ModelShape, mode: str, seq_length: int, causal: bool = False):
+    """(projection FLOPs, attention-core FLOPs) per token of one layer, forward."""
+    proj = sum(p.flops_per_token for p in shape.projections(mode))
+    return proj, attention_core_flops(seq_length, shape.heads, shape.e, causal)
+
+
+def _shape_and_sizes(cfg: Any, vocab_size: Optional[int], seq_length: Optional[int]):
+    shape = cfg if isinstance(cfg, ModelShape) else ModelShape.from_config(cfg)
+    V = int(vocab_size if vocab_size is not None else shape.vocab)
+    s = int(seq_length if seq_length is not None else shape.seq_length)
+    return shape, V, s
 
 
 def forward_flops_per_token(cfg: Any, mode: Optional[str] = None, *,
@@ -70,7 +74,8 @@ def forward_flops_per_token(cfg: Any, mode: Optional[str] = None, *,
     """Forward-pass matmul FLOPs per token of the whole model (see the module doc).
 
     Args:
-        cfg: a ``RunConfig``, its ``ModelConfig`` or a ``(Boost)TransformerConfig``.
+        cfg: a ``RunConfig``, its ``ModelConfig``, a ``(Boost)TransformerConfig`` or a
+            :class:`~megatron_boost.analysis.shape.ModelShape`.
         mode: 'full' (dense projections), 'naive' or 'boost' (bottlenecks); default: the
             config's own mode.
         vocab_size: the LM head width (e.g. the padded vocabulary); default: the config's.
@@ -78,34 +83,46 @@ def forward_flops_per_token(cfg: Any, mode: Optional[str] = None, *,
         causal: halve the attention-core term (count only the unmasked half).
     """
     mode = _mode_of(cfg, mode)
-    m = _model_cfg(cfg)
-    d = int(m.hidden_size)
-    f = int(_get(m, "ffn_hidden_size", default=4 * d))
-    L = int(m.num_layers)
-    h = int(m.num_attention_heads)
-    g = int(_get(m, "num_query_groups", default=h))
-    e = int(_get(m, "kv_channels", default=d // h))
-    V = int(vocab_size if vocab_size is not None else _get(m, "vocab_size", "padded_vocab_size"))
-    s = int(seq_length if seq_length is not None else _get(m, "seq_length"))
-    if mode == "full":
-        ra = rm = None
-    elif hasattr(m, "resolved_ranks"):
-        ra, rm = m.resolved_ranks()
-    else:
-        ra, rm = int(m.attn_rank), int(m.mlp_rank)
-
-    def proj(d_in: int, d_out: int, rank: Optional[int]) -> float:
-        return 2.0 * d_in * d_out if rank is None else 2.0 * rank * (d_in + d_out)
-
-    attn_proj = (proj(d, h * e, ra) + 2 * proj(d, g * e, ra) + proj(h * e, d, ra))
-    mlp = 2 * proj(d, f, rm) + proj(f, d, rm)
-    core = 4.0 * s * h * e * (0.5 if causal else 1.0)
-    return L * (attn_proj + mlp + core) + 2.0 * d * V
+    shape, V, s = _shape_and_sizes(cfg, vocab_size, seq_length)
+    proj, core = _layer_parts(shape, mode, s, causal)
+    return shape.num_layers * (proj + core) + 2.0 * shape.hidden * V
 
 
 def flops_per_token(cfg: Any, mode: Optional[str] = None, **kwargs) -> float:
     """Training (forward + backward) model FLOPs per token: 3 × :func:`forward_flops_per_token`."""
     return 3.0 * forward_flops_per_token(cfg, mode, **kwargs)
+
+
+def step_flops(cfg: Any, mode: str, tokens: int, vocab_size: int, seq_length: int) -> float:
+    """Training (forward + backward = 3 × forward) model FLOPs of ``tokens`` tokens."""
+    return 3.0 * tokens * forward_flops_per_token(cfg, mode, vocab_size=vocab_size,
+                                                  seq_length=seq_length)
+
+
+def rank_step_flops(cfg: Any, mode: str, tokens: int, vocab_size: int, seq_length: int,
+                    tp: int) -> float:
+    """Training matmul FLOPs one TP rank executes for ``tokens`` tokens (per pipeline stage
+    summed over stages, i.e. the whole model divided only by TP).
+
+    full / boost: everything split t ways. naive: projections and the vocab-parallel head split
+    t ways, the attention core duplicated on every rank (it runs on the replicated heads,
+    docs/design.md §2). Recompute is not counted."""
+    mode = check_mode(mode)
+    shape, V, s = _shape_and_sizes(cfg, vocab_size, seq_length)
+    proj, core = _layer_parts(shape, mode, s)
+    core = shape.num_layers * core
+    split = shape.num_layers * proj + 2.0 * shape.hidden * V
+    per_token = split / tp + (core if mode == "naive" else core / tp)
+    return 3.0 * tokens * per_token
+
+
+def count_flops(fn, *args, **kwargs):
+    """(result of fn, total FLOPs counted by FlopCounterMode: mm/bmm/addmm/baddbmm/sdpa...)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        result = fn(*args, **kwargs)
+    return result, int(counter.get_total_flops())
 
 
 def peak_tflops(configured: Optional[float] = None, device_kind: str = "cpu") -> Optional[float]:

@@ -10,7 +10,7 @@ Without ``--table``: two ``summary:`` lines per run (iterations, tokens, final t
 mean throughput; first and last validation perplexity). With ``--table``: one row per run
 (iterations, final loss, last validation loss and perplexity, mean tokens/s and TFLOP/s per
 device, TP communication per step). Records are those the trainer writes
-(``megatron_boost/train/loop.py``): training records carry ``loss``, evaluation records
+(``megatron_boost/train/metrics.py``): training records carry ``loss``, evaluation records
 ``val_loss`` and ``val_ppl``.
 """
 

@@ -44,8 +44,6 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
-# init_global_weights is re-exported: the training step imports the model API from here.
-from megatron_boost.model.init import init_global_weights
 from megatron_boost.model.specs import (
     _replicated_decoder_pgs,
     default_pg_collection,

@@ -23,7 +23,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_boost.config.transformer import BoostTransformerConfig
-from megatron_boost.model.gpt import build_model, init_global_weights, schedule_seq_length
+from megatron_boost.model.gpt import build_model, schedule_seq_length
+from megatron_boost.model.init import init_global_weights
 
 __all__ = [
     "initialize_parallel", "build_ddp_model", "build_optimizer", "make_forward_step",

@@ -40,12 +40,12 @@ from megatron.core.num_microbatches_calculator import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_boost.analysis.collectives import record_collectives
 from megatron_boost.analysis.flops import flops_per_token, peak_tflops
 from megatron_boost.config.run import to_transformer_config
 from megatron_boost.config.validation import lr_decay_iterations, train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.model.gpt import padded_vocab_size
-from megatron_boost.parallel import mappings as comm
 from megatron_boost.train import step
 from megatron_boost.train.checkpointing import (
     TRACKER_FILE,
@@ -249,7 +249,7 @@ class Trainer:
         lr = float(self.optimizer.param_groups[0]["lr"])
         self._synchronize()
         t0 = time.perf_counter()
-        with comm.record_collectives(ps.get_tensor_model_parallel_group()) as comm_log:
+        with record_collectives(ps.get_tensor_model_parallel_group()) as comm_log:
             out = step.train_step(self.forward_step, self.train_iterators, self.model,
                                   self.optimizer, self.num_microbatches,
                                   self.cfg.model.seq_length, t.micro_batch_size)

@@ -1,0 +1,202 @@
+"""Tensor-parallel communication of one decoder layer: the formula and its measurement.
+
+* **Formula** (:func:`tp_comm_widths`, :func:`layer_comm_formula`): docs/design.md §5's
+  per-layer table, derived from the one :class:`~megatron_boost.analysis.shape.ModelShape` for
+  any shape (GQA, kv_channels, separate attention / MLP ranks). MHA reduces to full 2d / 2d,
+  naive 5d + 2f / 3d + f, boost 7r + 2 / 7r (BOOST, arXiv 2512.12131).
+* **Measurement** (:func:`measure_layer_comm`, :func:`layer_comm_worker`): ONE megatron-core
+  ``TransformerLayer`` built from :func:`megatron_boost.model.specs.get_layer_spec` runs forward
+  and backward under :func:`megatron_boost.analysis.collectives.record_collectives`, which
+  reports what the TP group really carried. Every activation collective of a layer is
+  ``tokens × width`` elements, so bytes per token measured at a small token count scale
+  *exactly* (integer arithmetic) to any B·S.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from megatron_boost.analysis.collectives import CommLog, record_collectives
+from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
+
+__all__ = ["MODES", "DTYPES", "tp_comm_widths", "layer_comm_formula", "LayerCommSpec",
+           "comm_summary", "measure_layer_comm", "measure_layer_comm_specs",
+           "layer_comm_worker", "build_decoder_layer"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def tp_comm_widths(shape: ModelShape, mode: str) -> Tuple[List[int], List[int]]:
+    """(forward, backward) widths, elements per token, of one layer's TP all-reduces, in issue
+    order (docs/design.md §5).
+
+    * full: row-parallel proj and fc2 all-reduce their d-wide outputs forward; column-parallel
+      qkv and fc1 all-reduce their d-wide input gradients backward.
+    * naive: each chunk all-reduces its output forward (qkv: h·e + 2·g·e, o: d, gate+up: 2f,
+      down: d) and its input gradient backward (qkv: d, o: h·e, fc1: d, fc2: f).
+    * boost: one all-reduce of the group's bottleneck forward (qkv: 3r_a + 1 with the fused
+      online-RMSNorm sum of squares, docs/design.md §3; o: r_a, gate+up: 2r_m + 1, down: r_m)
+      and of its gradient backward (the same without the +1).
+    """
+    d, f = shape.hidden, shape.ffn
+    mode = check_mode(mode)
+    if mode == "full":
+        return [d, d], [d, d]
+    if mode == "naive":
+        return ([shape.q_width + 2 * shape.kv_width, d, 2 * f, d],
+                [d, shape.q_width, d, f])
+    ra, rm = shape.r_attn, shape.r_mlp
+    return [3 * ra + 1, ra, 2 * rm + 1, rm], [3 * ra, ra, 2 * rm, rm]
+
+
+def _formula_text(shape: ModelShape, mode: str) -> Tuple[str, str]:
+    """The symbolic (forward, backward) formula: the MHA shorthand where it applies."""
+    if mode == "full":
+        return "2d", "2d"
+    if mode == "naive":
+        mha = shape.g == shape.heads and shape.q_width == shape.hidden
+        return ("5d + 2f", "3d + f") if mha else ("(h+2g)e + 2d + 2f", "2d + he + f")
+    if shape.r_attn == shape.r_mlp:
+        return "7r + 2", "7r"
+    return "4r_a + 3r_m + 2", "4r_a + 3r_m"
+
+
+def layer_comm_formula(cfg: Any, mode: str) -> Dict[str, Any]:
+    """Per-decoder-layer TP collectives, elements per token, of a config (or ModelShape):
+    fwd/bwd widths (:func:`tp_comm_widths`), their sums and counts, and the symbolic formula."""
+    shape = cfg if isinstance(cfg, ModelShape) else ModelShape.from_config(cfg)
+    mode = check_mode(mode)
+    if mode == "boost" and (shape.attn_rank is None or shape.mlp_rank is None):
+        raise ValueError("boost mode needs attn_rank and mlp_rank")
+    fwd, bwd = tp_comm_widths(shape, mode)
+    text = _formula_text(shape, mode)
+    return {"fwd_elems_per_token": sum(fwd), "bwd_elems_per_token": sum(bwd),
+            "fwd_count": len(fwd), "bwd_count": len(bwd),
+            "fwd_widths": fwd, "bwd_widths": bwd,
+            "fwd_formula": text[0], "bwd_formula": text[1]}
+
+
+def comm_summary(log: CommLog, tokens: int) -> Dict[str, Any]:
+    """Per-direction bytes, elements, counts and widths of a log, plus bytes per token.
+
+    Raises if a direction's bytes are not an exact multiple of ``tokens`` (then the records
+    are not all per-token activation collectives and cannot be scaled linearly)."""
+    out: Dict[str, Any] = {"tokens": tokens}
+    for direction in ("fwd", "bwd"):
+        recs = log.select(direction)
+        nbytes = sum(r.nbytes for r in recs)
+        numel = sum(r.numel for r in recs)
+        if nbytes % tokens or numel % tokens:
+            raise ValueError(f"{direction} collectives ({nbytes} B, {numel} elements) are not a "
+                             f"multiple of the token count {tokens}")
+        out[direction] = {
+            "count": len(recs), "bytes": nbytes, "elems": numel,
+            "bytes_per_token": nbytes // tokens, "elems_per_token": numel // tokens,
+            "widths": [r.width for r in recs], "kinds": sorted({r.kind for r in recs}),
+        }
+    return out
+
+
+def measure_layer_comm(layer: torch.nn.Module, x: torch.Tensor, group) -> CommLog:
+    """Run ``layer`` forward and backward on ``x`` ([s, b, width]) while recording ``group``."""
+    with record_collectives(group) as log:
+        out = layer(x, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+    return log
+
+
+@dataclass
+class LayerCommSpec:
+    """One per-layer measurement (plain data: picklable for spawned workers)."""
+
+    model: Dict[str, Any] = field(default_factory=dict)
+    """ModelConfig fields (hidden_size, ffn_hidden_size, heads, ranks, ...)."""
+    mode: str = "boost"
+    tp: int = 2
+    seq_length: int = 16
+    """Tokens per sequence of the measurement (small: bytes scale exactly with tokens)."""
+    micro_batch_size: int = 1
+    dtype: str = "fp32"
+    seed: int = 1234
+
+
+def _run_config(spec: LayerCommSpec):
+    from megatron_boost.config.run import ModelConfig, RunConfig
+
+    cfg = RunConfig()
+    cfg.model = ModelConfig(**{**asdict(ModelConfig()), **spec.model})
+    cfg.model.seq_length = spec.seq_length
+    cfg.parallel.mode, cfg.parallel.tp = spec.mode, spec.tp
+    return cfg.validate()
+
+
+def build_decoder_layer(config, pgs=None):
+    """One megatron-core TransformerLayer of ``config.tp_mode`` (layer_number 1), built the way
+    BottleneckGPTModel builds its decoder: naive layers get the one-rank decoder group for
+    attention / MLP and the real TP group for their bottlenecks."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_boost.config.transformer import TPMode
+    from megatron_boost.model.specs import _replicated_decoder_pgs, default_pg_collection, \
+        get_layer_spec
+
+    pgs = pgs or default_pg_collection()
+    spec = get_layer_spec(config, pgs.tp)
+    layer_pgs = _replicated_decoder_pgs(pgs) if config.tp_mode is TPMode.NAIVE else pgs
+    return build_module(spec, config=config, layer_number=1, pg_collection=layer_pgs)
+
+
+def layer_comm_worker(rank: int, world: int, specs) -> Any:
+    """In each of ``tp`` gloo processes: for each spec (one, or a list sharing one tp), build one
+    decoder layer, run it forward and backward on [seq_length, micro_batch_size, width] random
+    inputs and return the :func:`comm_summary` of its TP collectives (a dict, or a list of them).
+    """
+    from megatron.core import parallel_state
+
+    single = isinstance(specs, LayerCommSpec)
+    specs = [specs] if single else list(specs)
+    if any(s.tp != world for s in specs):
+        raise ValueError(f"world size ({world}) must equal every spec's tp "
+                         f"({[s.tp for s in specs]})")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    results = measure_layer_comm_specs(rank, specs)
+    return results[0] if single else results
+
+
+def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[Dict[str, Any]]:
+    """:func:`layer_comm_worker`'s measurement, in a process whose megatron parallel state is
+    already initialised with TP = every spec's tp."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_boost.config.run import to_transformer_config
+    from megatron_boost.config.transformer import TPMode
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    results = []
+    for spec in specs:
+        cfg = _run_config(spec)
+        dtype = DTYPES[spec.dtype]
+        model_parallel_cuda_manual_seed(spec.seed)
+        torch.manual_seed(spec.seed)
+        config = to_transformer_config(cfg, params_dtype=dtype)
+        layer = build_decoder_layer(config)
+        d = config.hidden_size
+        width = d // spec.tp if config.tp_mode is TPMode.BOOST else d
+        g = torch.Generator().manual_seed(spec.seed + rank)
+        x = torch.randn(spec.seq_length, spec.micro_batch_size, width, generator=g).to(dtype)
+        x.requires_grad_(True)
+        log = measure_layer_comm(layer, x, tp_group)
+        out = comm_summary(log, spec.seq_length * spec.micro_batch_size)
+        out.update(mode=spec.mode, input_width=width, element_size=x.element_size(),
+                   n_params_local=sum(p.numel() for p in layer.parameters()))
+        results.append(out)
+        del layer, x, log
+    return results
+
+
+#: The BOOST authors' per-layer forward TP communication of LLaMA-7B (d 4096, f 11008, r 1024,

@@ -1,0 +1,151 @@
+"""One description of a decoder's shape, read once from any config, for every formula.
+
+:class:`ModelShape` holds the widths of a LLaMA-style decoder (CoLA bottleneck or full rank,
+docs/design.md §1): hidden d, ffn f, heads h, query groups g (GQA), head dim e, vocabulary V,
+sequence s and the bottleneck ranks r_attn / r_mlp. :meth:`ModelShape.projections` lists the
+seven projections of one layer with their (d_in, d_out, rank); the FLOP count
+(:mod:`megatron_boost.analysis.flops`), the TP communication widths
+(:mod:`megatron_boost.analysis.comm`), the parameter counts below and the cluster performance
+model (:mod:`megatron_boost.perf.model`) are all derived from it, so each formula exists once.
+
+:meth:`ModelShape.from_config` is the one config reader: it accepts a ``RunConfig`` (uses its
+``.model``), a ``ModelConfig`` or a megatron ``(Boost)TransformerConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+__all__ = ["ModelShape", "Projection", "MODES", "check_mode"]
+
+MODES = ("full", "naive", "boost")
+
+
+def check_mode(mode: Any) -> str:
+    """'full', 'naive' or 'boost' from a string or a TPMode enum; ValueError otherwise."""
+    mode = str(getattr(mode, "value", mode)).lower()
+    if mode not in MODES:
+        raise ValueError(f"mode ({mode!r}) must be one of full, naive, boost")
+    return mode
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One projection of a layer: d_in -> d_out, dense (rank None) or a CoLA bottleneck
+    y = B·σ(A·x) with A: d_in -> rank and B: rank -> d_out (docs/design.md §1)."""
+
+    name: str
+    d_in: int
+    d_out: int
+    rank: Optional[int]
+
+    @property
+    def params(self) -> int:
+        if self.rank is None:
+            return self.d_in * self.d_out
+        return self.rank * (self.d_in + self.d_out)
+
+    @property
+    def flops_per_token(self) -> float:
+        """Forward matmul FLOPs per token: 2 per multiply-add, i.e. 2 · params."""
+        return 2.0 * self.params
+
+
+def _first(obj: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A LLaMA-style decoder. The bottleneck modes use attn_rank / mlp_rank."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    query_groups: Optional[int] = None
+    head_dim: Optional[int] = None
+    vocab: Optional[int] = 32000
+    seq_length: Optional[int] = 4096
+    attn_rank: Optional[int] = None
+    mlp_rank: Optional[int] = None
+    tied_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Any, name: str = "config") -> "ModelShape":
+        """From a RunConfig, a ModelConfig or a (Boost)TransformerConfig. A TransformerConfig
+        has no vocabulary or sequence length: those stay None (pass them to the formulas)."""
+        m = cfg.model if hasattr(cfg, "model") and hasattr(cfg, "parallel") else cfg
+        if hasattr(m, "resolved_ranks"):  # ModelConfig: explicit ranks or rank_ratio · d
+            ra, rm = m.resolved_ranks()
+        else:
+            ra, rm = getattr(m, "attn_rank", None), getattr(m, "mlp_rank", None)
+        d = int(m.hidden_size)
+        vocab = _first(m, "vocab_size", "padded_vocab_size")
+        seq = _first(m, "seq_length")
+        return cls(name=name, num_layers=int(m.num_layers), hidden=d,
+                   ffn=int(_first(m, "ffn_hidden_size") or 4 * d),
+                   heads=int(m.num_attention_heads),
+                   query_groups=_first(m, "num_query_groups"), head_dim=_first(m, "kv_channels"),
+                   vocab=None if vocab is None else int(vocab),
+                   seq_length=None if seq is None else int(seq),
+                   attn_rank=None if ra is None else int(ra),
+                   mlp_rank=None if rm is None else int(rm))
+
+    @property
+    def g(self) -> int:
+        """Query groups (key/value heads); = heads without GQA."""
+        return int(self.query_groups or self.heads)
+
+    @property
+    def e(self) -> int:
+        """Head dimension (kv_channels); d / h by default."""
+        return int(self.head_dim or self.hidden // self.heads)
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.e
+
+    @property
+    def kv_width(self) -> int:
+        return self.g * self.e
+
+    @property
+    def r_attn(self) -> int:
+        """Attention bottleneck rank; d / 4 (CoLA's default ratio) when not given."""
+        return self.attn_rank or max(1, self.hidden // 4)
+
+    @property
+    def r_mlp(self) -> int:
+        """MLP bottleneck rank; d / 4 (CoLA's default ratio) when not given."""
+        return self.mlp_rank or max(1, self.hidden // 4)
+
+    def projections(self, mode: str) -> List[Projection]:
+        """The seven projections of one layer: q, k, v, o (attention rank), gate, up, down
+        (MLP rank); dense in mode 'full' (the full-rank twin), bottlenecks otherwise."""
+        lowrank = check_mode(mode) != "full"
+        ra = self.r_attn if lowrank else None
+        rm = self.r_mlp if lowrank else None
+        d, f, qw, kvw = self.hidden, self.ffn, self.q_width, self.kv_width
+        return [Projection("q", d, qw, ra), Projection("k", d, kvw, ra),
+                Projection("v", d, kvw, ra), Projection("o", qw, d, ra),
+                Projection("gate", d, f, rm), Projection("up", d, f, rm),
+                Projection("down", f, d, rm)]
+
+    def projection_params(self, mode: str) -> int:
+        """Parameters of one layer's seven projections."""
+        return sum(p.params for p in self.projections(mode))
+
+    def layer_params(self, lowrank: bool) -> int:
+        """Parameters of one decoder layer: the projections and two RMSNorm weights."""
+        return self.projection_params("boost" if lowrank else "full") + 2 * self.hidden
+
+    def embedding_params(self) -> int:
+        """Input embedding, LM head (unless tied) and the final norm; always full rank."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden

@@ -1,0 +1,137 @@
+"""Cluster performance model CLI: iteration time, per-GPU memory and communication of
+full / naive / boost training (the model: :mod:`megatron_boost.perf.model`).
+
+Examples:
+    megatron-boost-perf-model --compare-published
+    megatron-boost-perf-model --config configs/cola-7b.yaml --gpus 8 --gpu a100-80gb --tp 4
+    megatron-boost-perf-model --config configs/cola-7b.yaml --gpus 64 --gpu h100-80gb --recommend
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Dict, Optional, Sequence
+
+from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.perf.hardware import HARDWARE, hardware
+from megatron_boost.perf.model import RECOMPUTE, Layout, predict
+from megatron_boost.perf.published import PUBLISHED_SHAPES, compare_published
+from megatron_boost.perf.report import format_prediction, format_published, format_recommend
+from megatron_boost.perf.search import recommend
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="perf_model.py",
+        description="Predict iteration time, per-GPU memory and communication of full / naive / "
+                    "boost training on a GPU cluster (analytical roofline + alpha-beta model).")
+    ap.add_argument("--config", help="YAML run config (megatron_boost.config.run); model shape, "
+                                     "parallel layout and batch sizes are read from it")
+    ap.add_argument("--gpus", type=int, help="GPUs in the cluster (default: tp·pp·dp of the "
+                                             "config)")
+    ap.add_argument("--gpu", default="a100-80gb", help=f"one of {', '.join(HARDWARE)}")
+    ap.add_argument("--gpus-per-node", type=int, help="NVLink domain size (default: per GPU "
+                                                      "type, 8)")
+    ap.add_argument("--tp", type=int)
+    ap.add_argument("--pp", type=int)
+    ap.add_argument("--vpp", type=int)
+    ap.add_argument("--micro-batch-size", type=int)
+    ap.add_argument("--seq-length", type=int)
+    ap.add_argument("--global-batch-size", type=int)
+    ap.add_argument("--recompute", choices=RECOMPUTE)
+    ap.add_argument("--distributed-optimizer", action="store_true", default=None)
+    ap.add_argument("--modes", default="full,naive,boost")
+    ap.add_argument("--compare-published", action="store_true",
+                    help="reproduce the BOOST authors' A100 table (built-in shapes)")
+    ap.add_argument("--recommend", action="store_true",
+                    help="search TP/PP/micro-batch/recompute per mode for the fastest fits")
+    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--json", help="write the results as JSON to this file")
+    return ap
+
+
+def _base_setup(args) -> Dict:
+    """Shape and layout of the config (or of CoLA/LLaMA-7B on one GPU without one)."""
+    if not args.config:
+        shape = dataclasses.replace(PUBLISHED_SHAPES["7B"], name="CoLA/LLaMA-7B",
+                                    tied_embeddings=False)
+        return dict(shape=shape, tp=1, pp=1, vpp=1, mb=1, gb=None, rc="none", dist_opt=False,
+                    overlap=True, cfg_dp=None)
+    from megatron_boost.config.run import load_run_config  # heavy import (torch): lazy
+
+    cfg = load_run_config(args.config)
+    par, tr = cfg.parallel, cfg.training
+    return dict(shape=ModelShape.from_config(cfg.model, name=args.config), tp=par.tp,
+                pp=par.pp, vpp=par.vpp or 1, mb=tr.micro_batch_size, gb=tr.global_batch_size,
+                rc=tr.recompute or "none", dist_opt=par.use_distributed_optimizer,
+                overlap=par.overlap_grad_reduce, cfg_dp=par.dp)
+
+
+def _setup(args) -> Dict:
+    """The base setup with the command-line overrides applied; gpus and dp resolved."""
+    s = _base_setup(args)
+    if args.seq_length:
+        s["shape"] = dataclasses.replace(s["shape"], seq_length=args.seq_length)
+    for key, flag in (("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("mb", "micro_batch_size"),
+                      ("rc", "recompute")):
+        s[key] = getattr(args, flag) or s[key]
+    if args.distributed_optimizer is not None:
+        s["dist_opt"] = args.distributed_optimizer
+    s["gpus"] = args.gpus or (s["tp"] * s["pp"] * (s["cfg_dp"] or 1))
+    s["gb"] = args.global_batch_size or s["gb"]
+    if not args.recommend:
+        if s["gpus"] % (s["tp"] * s["pp"]):
+            raise SystemExit(f"--gpus {s['gpus']} is not a multiple of tp·pp = "
+                             f"{s['tp'] * s['pp']}")
+        s["dp"] = s["gpus"] // (s["tp"] * s["pp"])
+        if s["gb"] and s["gb"] % (s["mb"] * s["dp"]):
+            raise SystemExit(f"global batch {s['gb']} is not a multiple of micro-batch "
+                             f"{s['mb']} × dp {s['dp']}")
+    return s
+
+
+def _predictions(s: Dict, modes, hw, gpus_per_node) -> list:
+    preds = []
+    for mode in modes:
+        mrc = s["rc"]
+        if mrc == "lowrank" and mode == "full":
+            mrc = "full"  # the full-rank model has no bottleneck to checkpoint
+            print("note: mode full has no bottleneck; recompute lowrank -> full")
+        lay = Layout(mode=mode, tp=s["tp"], pp=s["pp"], dp=s["dp"], micro_batch=s["mb"],
+                     global_batch=s["gb"], recompute=mrc, vpp=s["vpp"],
+                     distributed_optimizer=s["dist_opt"], overlap_grad_reduce=s["overlap"],
+                     gpus_per_node=gpus_per_node)
+        pr = predict(s["shape"], lay, hw)
+        print(format_prediction(pr))
+        preds.append(pr.to_dict())
+    return preds
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    hw = hardware(args.gpu)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"--modes: unknown mode '{m}' (one of {', '.join(MODES)})")
+    result: Dict = {"gpu": hw.name, "hardware": dataclasses.asdict(hw)}
+    if args.compare_published:
+        rows = compare_published()
+        print(format_published(rows))
+        result["published_comparison"] = rows
+    if args.config or args.recommend or not args.compare_published:
+        s = _setup(args)
+        if args.recommend:
+            res = recommend(s["shape"], s["gpus"], hw, modes=modes, global_batch=s["gb"],
+                            top=args.top, gpus_per_node=args.gpus_per_node)
+            print(format_recommend(res, s["shape"], s["gpus"], hw))
+            result["recommend"] = {m: [p.to_dict() for p in ps] for m, ps in res.items()}
+        else:
+            result["predictions"] = _predictions(s, modes, hw, args.gpus_per_node)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+        print(f"wrote {args.json}")
+    return 0

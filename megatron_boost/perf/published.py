@@ -1,0 +1,69 @@
+"""The BOOST authors' published A100 iteration times and this model's prediction of them.
+
+The table is the README of github.com/Arcana-2236/BOOST (also Fig. 5 of arXiv 2512.12131).
+Setup taken from the authors' released configs (``examples/*.yaml``,
+``.logging/iter_comp_mbz4/configs``) and the paper's §5: NERSC Perlmutter, 4 A100 per node on
+NVLink3, Slingshot-11 between nodes (4 × 25 GB/s NICs per node, i.e. 25 GB/s per GPU), nanotron
+with flash-attn 2, bf16, micro-batch 4, sequence 4096, dp = 1,
+``batch_accumulation_per_replica = 1`` (one micro-batch per step, so the 13B TP4×PP2 run has a
+1F1B bubble of 1/2), ``tie_word_embeddings: true``, ``recompute_layer: false``. Weak scaling:
+GPUs = TP × PP.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.perf.hardware import HardwareSpec, hardware
+from megatron_boost.perf.model import Layout, predict
+
+__all__ = ["PUBLISHED_SHAPES", "PUBLISHED_A100", "PUBLISHED_SETUP", "compare_published"]
+
+# Shapes of the authors' benchmark configs (github.com/Arcana-2236/BOOST, examples/ and
+# .logging/iter_comp_mbz4/configs): LLaMA-2 shapes, MHA, rank = d/4, vocab 32000, tied
+# embeddings. 3B: d=3072, f=8192, 26 layers, 24 heads (the authors' 3B, not OpenLLaMA-3B);
+# 1B: f=5472 (CoLA's paper table says 5461).
+PUBLISHED_SHAPES: Dict[str, ModelShape] = {
+    "1B": ModelShape("1B", 24, 2048, 5472, 32, attn_rank=512, mlp_rank=512,
+                     tied_embeddings=True),
+    "3B": ModelShape("3B", 26, 3072, 8192, 24, attn_rank=768, mlp_rank=768,
+                     tied_embeddings=True),
+    "7B": ModelShape("7B", 32, 4096, 11008, 32, attn_rank=1024, mlp_rank=1024,
+                     tied_embeddings=True),
+    "13B": ModelShape("13B", 40, 5120, 13824, 40, attn_rank=1280, mlp_rank=1280,
+                      tied_embeddings=True),
+}
+
+# (tp, pp, {mode: published seconds per iteration}); A100, micro-batch 4, seq 4096, bf16.
+PUBLISHED_A100: Dict[str, Tuple[int, int, Dict[str, float]]] = {
+    "1B": (1, 1, {"full": 0.85, "naive": 0.56, "boost": 0.59}),
+    "3B": (2, 1, {"full": 1.14, "naive": 1.41, "boost": 0.78}),
+    "7B": (4, 1, {"full": 1.06, "naive": 1.64, "boost": 0.72}),
+    "13B": (4, 2, {"full": 2.07, "naive": 2.42, "boost": 1.30}),
+}
+
+PUBLISHED_SETUP = dict(gpu="a100-80gb-perlmutter", gpus_per_node=4, micro_batch=4, seq_length=4096,
+                       dp=1, num_micro_batches=1, recompute="none")
+
+
+def compare_published(hw: Optional[HardwareSpec] = None,
+                      gpus_per_node: int = PUBLISHED_SETUP["gpus_per_node"]) -> List[Dict]:
+    """Predicted vs published iteration seconds, one row per (model, mode)."""
+    hw = hw or hardware(PUBLISHED_SETUP["gpu"])
+    rows = []
+    for name, (tp, pp, pub) in PUBLISHED_A100.items():
+        shape = PUBLISHED_SHAPES[name]
+        for mode in MODES:
+            lay = Layout(mode=mode, tp=tp, pp=pp, dp=1, micro_batch=PUBLISHED_SETUP["micro_batch"],
+                         global_batch=PUBLISHED_SETUP["micro_batch"], recompute="none",
+                         gpus_per_node=gpus_per_node)
+            pred = predict(shape, lay, hw)
+            rows.append({"model": name, "gpu": hw.name, "gpus_per_node": gpus_per_node,
+                         "tp": tp, "pp": pp, "gpus": tp * pp, "mode": mode,
+                         "published_s": pub[mode], "predicted_s": round(pred.iteration_s, 4),
+                         "ratio": round(pred.iteration_s / pub[mode], 4),
+                         "within_15pct": abs(pred.iteration_s / pub[mode] - 1) <= 0.15,
+                         "breakdown_s": pred.breakdown_s, "memory_gb": pred.memory_gb["total"],
+                         "fits": pred.fits})
+    return rows
