@@ -22,7 +22,12 @@ import yaml
 
 from megatron_boost.config.run import RunConfig, load_run_config, to_transformer_config
 from megatron_boost.data.datasets import build_tokenizer
-from megatron_boost.model.gpt import build_model, padded_vocab_size, sharded_params
+from megatron_boost.model.gpt import (
+    build_model,
+    init_global_weights,
+    padded_vocab_size,
+    sharded_params,
+)
 from megatron_boost.runtime.spawn import free_port
 from megatron_boost.train.loop import TRACKER_FILE, find_checkpoint, save_checkpoint
 from megatron_boost.train.step import build_ddp_model, build_optimizer, initialize_parallel
@@ -30,7 +35,7 @@ from megatron_boost.train.step import build_ddp_model, build_optimizer, initiali
 __all__ = [
     "RunConfig", "load_run_config", "build_tokenizer", "padded_vocab_size", "TRACKER_FILE",
     "single_process", "resolve_checkpoint", "saved_run_config", "saved_vocab_rows",
-    "build_single_model", "global_weights", "load_weights", "set_weights", "logits",
+    "build_single_model", "initialised_single_model", "global_weights", "load_weights", "set_weights", "logits",
     "save_weights_as_checkpoint", "is_lowrank",
 ]
 
@@ -113,6 +118,14 @@ def build_single_model(cfg: RunConfig, vocab_rows: int):
     return model.eval()
 
 
+def initialised_single_model(cfg: RunConfig, vocab_rows: int):
+    """The TP = 1 model with the trainer's layout-independent initial weights of ``cfg``'s seed
+    (``docs/design.md §8``): the reference any layout's untrained checkpoint must reproduce."""
+    model = build_single_model(cfg, vocab_rows)
+    init_global_weights([model], cfg.training.seed, model.config)
+    return model
+
+
 def global_weights(model) -> Dict[str, torch.Tensor]:
     """Global checkpoint key -> parameter; at TP = PP = 1 every parameter is its global tensor."""
     return {key: param for key, _, _, param in sharded_params(model)}
@@ -164,8 +177,10 @@ def save_weights_as_checkpoint(cfg: RunConfig, weights: Dict[str, torch.Tensor],
     o = cfg.optimizer
     optimizer = build_optimizer(config, ddp, lr=o.lr, min_lr=o.min_lr,
                                 weight_decay=o.weight_decay)
+    # A placeholder schedule: the trainer's configuration replaces it on load
+    # (override_opt_param_scheduler); only the step count, 0, is kept.
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_iters,
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=0,
         lr_decay_steps=1, lr_decay_style="cosine", start_wd=o.weight_decay,
         end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
     return save_checkpoint(save_dir, 0, ddp, optimizer, scheduler, 0, cfg, False)
