@@ -94,16 +94,25 @@ def _factor_source(cfg, hf: dict, state: Dict[str, torch.Tensor], errors: dict):
         rank = attn_rank if proj in ("q", "k", "v", "o") else mlp_rank
         if hf["model_type"] == "cola":
             return state[f"{hf_module}.cola_a"].t(), state[f"{hf_module}.cola_b"].t()
-        w = state[f"{hf_module}.weight"]  # [out, in]
-        if rank > min(w.shape):
-            raise ValueError(f"rank {rank} of projection '{proj}' exceeds min(in, out) = "
-                             f"{min(w.shape)} of its {tuple(w.shape)} weight; set "
-                             f"model.{'attn' if rank == attn_rank else 'mlp'}_rank <= "
-                             f"{min(w.shape)}")
-        a, b, errors[(layer, proj)] = svd_factors(w, rank)
+        a, b, errors[(layer, proj)] = svd_factors(state[f"{hf_module}.weight"], rank)
         return a, b
 
     return factors
+
+
+def _check_ranks(cfg) -> None:
+    """A truncated SVD keeps at most min(in, out) directions of each [out, in] weight."""
+    m = cfg.model
+    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    limits = {"attn_rank": ("k/v", min(m.hidden_size, groups * head_dim,
+                                       m.num_attention_heads * head_dim)),
+              "mlp_rank": ("gate/up/down", min(m.hidden_size, m.ffn_hidden_size))}
+    for name, rank in zip(("attn_rank", "mlp_rank"), m.resolved_ranks()):
+        proj, limit = limits[name]
+        if rank > limit:
+            raise ValueError(f"rank {rank} (model.{name}) exceeds min(in, out) = {limit} of "
+                             f"the {proj} projections; set model.{name} <= {limit}")
 
 
 def _pad_vocab(weights: Dict[str, torch.Tensor], rows: int) -> None:
@@ -153,6 +162,8 @@ def _run_config(hf: dict, config: str, overrides: Sequence[str]):
                          "or boost); set parallel.mode=boost")
     vocab = (int(mb.build_tokenizer(cfg.data).vocab_size) if cfg.data.tokenizer_model
              else hf["vocab_size"])
+    if hf["model_type"] == "llama" and mb.is_lowrank(cfg):
+        _check_ranks(cfg)
     rows = mb.padded_vocab_size(vocab, cfg.parallel.tp)
     if not vocab <= hf["vocab_size"] <= rows:
         raise ValueError(f"vocab mismatch: the HF model has {hf['vocab_size']} embedding rows, "
