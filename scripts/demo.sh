@@ -96,3 +96,10 @@ python tools/plot_runs.py "$RUN_DIR" --out "$RUN_DIR/curves.png" --labels "CoLA 
 
 python tools/summarize_run.py "$RUN_DIR" --valid-set "held-out plays"
 say "done in $(elapsed)s: metrics $RUN_DIR/metrics.jsonl, curves $RUN_DIR/curves.png, checkpoint $RUN_DIR/checkpoints"
+
+# ---- the trained model leaves the framework: a short sample, then the HF export ------------
+say "sampling from the trained model (tools/generate.py, greedy)"
+python -W ignore tools/generate.py "$RUN_DIR/checkpoints" --prompt "KING HENRY:" --max-new-tokens 40
+rm -rf "$RUN_DIR/hf"
+say "exporting it as a Hugging Face model (tools/export_hf.py -> $RUN_DIR/hf)"
+python -W ignore tools/export_hf.py "$RUN_DIR/checkpoints" "$RUN_DIR/hf"

@@ -1,0 +1,41 @@
+"""Import a local Hugging Face LLaMA-architecture model as a megatron-boost checkpoint.
+
+    python tools/import_hf.py HF_DIR OUTPUT_DIR --config configs/cola-60m.yaml [overrides]
+
+Full rank (parallel.mode=full) keeps the weights; naive/boost initialise every projection by
+truncated SVD to the configured ranks. Train from it with
+``checkpoint.load=OUTPUT_DIR checkpoint.no_load_optim=true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+from megatron_boost.convert.errors import run_reporting_errors
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="import_hf.py", description=__doc__.splitlines()[1])
+    p.add_argument("hf_dir", help="local HF model directory (safetensors or .bin)")
+    p.add_argument("output", help="new checkpoint directory (must not exist)")
+    p.add_argument("--config", required=True, help="YAML run configuration (mode, ranks, ...)")
+    p.add_argument("--sample-text", help="text file for the perplexity check")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return p.parse_intermixed_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+
+    def run():
+        from pathlib import Path
+
+        from megatron_boost.convert.importer import import_hf
+
+        text = Path(args.sample_text).read_text() if args.sample_text else None
+        result = import_hf(args.hf_dir, args.output, args.config, args.overrides, text)
+        print(f"imported {args.hf_dir} -> {result['checkpoint']} (start training with "
+              f"checkpoint.load={result['checkpoint']} checkpoint.no_load_optim=true)")
+
+    return run_reporting_errors(run)

@@ -1,0 +1,94 @@
+"""Writing and reading Hugging Face model directories (config, safetensors, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+__all__ = ["hf_config", "write_hf_dir", "load_hf_model", "read_hf_state_dict",
+           "HF_ACTIVATIONS", "COLA_CODE"]
+
+#: bottleneck σ -> transformers ACT2FN name ("linear" is ACT2FN's identity).
+HF_ACTIVATIONS = {"silu": "silu", "identity": "linear", "gelu": "gelu", "relu": "relu"}
+#: the self-contained CoLA modeling code copied into low-rank exports.
+COLA_CODE = Path(__file__).parent / "hf_cola"
+_AUTO_MAP = {"AutoConfig": "configuration_cola.ColaConfig",
+             "AutoModelForCausalLM": "modeling_cola.ColaForCausalLM"}
+
+
+def hf_config(cfg, vocab_rows: int, cola: bool, tokenizer=None):
+    """LlamaConfig (full rank, or folded) or ColaConfig of a run's model section."""
+    from transformers import LlamaConfig
+
+    from megatron_boost.convert.hf_cola.configuration_cola import ColaConfig
+
+    m = cfg.model
+    kwargs = dict(
+        vocab_size=vocab_rows, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
+        head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
+        initializer_range=m.init_method_std, tie_word_embeddings=False,
+        # CoLA's MLP: no gate non-linearity unless mlp_gate_activation (docs/design.md §1)
+        hidden_act="silu" if cfg.parallel.mode == "full" or m.mlp_gate_activation
+        else "linear",
+        bos_token_id=getattr(tokenizer, "bos_token_id", None),
+        eos_token_id=getattr(tokenizer, "eos_token_id", None),
+        pad_token_id=getattr(tokenizer, "pad_token_id", None), dtype="float32")
+    if not cola:
+        return LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
+    attn_rank, mlp_rank = m.resolved_ranks()
+    config = ColaConfig(architectures=["ColaForCausalLM"], attn_rank=attn_rank,
+                        mlp_rank=mlp_rank, lr_act_type=HF_ACTIVATIONS[m.bottleneck_activation],
+                        **kwargs)
+    config.auto_map = dict(_AUTO_MAP)
+    return config
+
+
+def _save_safetensors(state: Dict[str, torch.Tensor], out: Path, max_shard_size) -> None:
+    """model.safetensors, or model-0000k-of-0000n.safetensors + the index above the limit."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, str(out / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {**split.metadata}, "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_hf_dir(out: Path, state: Dict[str, torch.Tensor], config, tokenizer,
+                 max_shard_size="5GB") -> None:
+    """Everything ``from_pretrained`` needs, in ``out`` (which must exist)."""
+    from transformers import GenerationConfig
+
+    config.save_pretrained(out)
+    _save_safetensors(state, out, max_shard_size)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(out)
+    if getattr(config, "auto_map", None):
+        for name in ("configuration_cola.py", "modeling_cola.py"):
+            shutil.copy(COLA_CODE / name, out / name)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def load_hf_model(path, trust_remote_code: bool = True):
+    """An HF causal LM from a local directory, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def read_hf_state_dict(model) -> Dict[str, torch.Tensor]:
+    """Detached parameters of a loaded HF model, by name."""
+    return {name: p.detach() for name, p in model.state_dict().items()}

@@ -1,0 +1,205 @@
+"""Hugging Face LLaMA-architecture directory -> megatron-boost checkpoint (any mode, any layout).
+
+The model shape comes from the HF config; the mode, ranks, σ and the rest from the run config.
+Full rank imports the weights as they are; low rank initialises every projection by truncated
+SVD, W ≈ B·A with B = U·√S and A = √S·Vᵀ (the best rank-r approximation, Eckart-Young), whose
+relative Frobenius error is sqrt(Σ_{i>r} s_i² / Σ s_i²) (printed per layer). A ``ColaForCausalLM``
+(our own export) imports its factors as they are, bit-exactly. The checkpoint is written by the
+trainer's save code at TP = 1 and reshards on load: start training from it with
+``checkpoint.load=<OUTPUT> checkpoint.no_load_optim=true``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_boost.convert import megatron_side as mb
+from megatron_boost.convert.export import attention_shape, prompt_ids
+from megatron_boost.convert.hf_dir import HF_ACTIVATIONS, load_hf_model, read_hf_state_dict
+from megatron_boost.convert.mapping import PROJECTIONS, hf_to_megatron
+
+__all__ = ["import_hf", "svd_factors", "read_hf_config", "SAMPLE_TEXT"]
+
+SAMPLE_TEXT = ("The quick brown fox jumps over the lazy dog. To be, or not to be, that is the "
+               "question: whether 'tis nobler in the mind to suffer the slings and arrows of "
+               "outrageous fortune, or to take arms against a sea of troubles.")
+_SIGMA_OF_HF = {hf: ours for ours, hf in HF_ACTIVATIONS.items()}
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """config.json of a LLaMA-like model (checked), as a dict."""
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ValueError(f"'{hf_dir}' has no config.json; give a local Hugging Face model "
+                         f"directory")
+    hf = json.loads(path.read_text())
+    kind = hf.get("model_type")
+    if kind not in ("llama", "cola"):
+        raise ValueError(f"model_type {kind!r} of '{hf_dir}' is not LLaMA-like; import_hf "
+                         f"reads llama (LlamaForCausalLM) and cola (our ColaForCausalLM)")
+    rope = hf.get("rope_parameters") or {"rope_type": "default"}
+    for key, bad in (("attention_bias", True), ("mlp_bias", True)):
+        if hf.get(key) is bad:
+            raise ValueError(f"'{hf_dir}' has {key}: true; megatron-boost models have no biases")
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"'{hf_dir}' uses rope_type {rope.get('rope_type')!r}; only plain "
+                         f"RoPE (default) is supported")
+    if kind == "llama" and hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"'{hf_dir}' has hidden_act {hf.get('hidden_act')!r}; LLaMA's MLP "
+                         f"(SwiGLU, silu) is the only one supported")
+    return hf
+
+
+def _shape_overrides(hf: dict) -> List[str]:
+    """Run-config overrides that give the megatron model the HF model's shape."""
+    heads = hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or {}
+    values = {
+        "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
+        "ffn_hidden_size": hf["intermediate_size"], "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "rotary_base": int(rope.get("rope_theta", hf.get("rope_theta", 10000))),
+    }
+    if hf["model_type"] == "cola":
+        values.update(attn_rank=hf["attn_rank"], mlp_rank=hf["mlp_rank"],
+                      bottleneck_activation=_SIGMA_OF_HF[hf["lr_act_type"]],
+                      mlp_gate_activation=hf.get("hidden_act") == "silu")
+    return [f"model.{k}={v}" for k, v in values.items()]
+
+
+def svd_factors(w: torch.Tensor, rank: int) -> Tuple[torch.Tensor, torch.Tensor, float]:
+    """(A [r, in], B [out, r], relative error) of the rank-r truncated SVD of W [out, in]."""
+    u, s, vh = torch.linalg.svd(w.double(), full_matrices=False)
+    root = s[:rank].sqrt()
+    b = u[:, :rank] * root  # [out, r]
+    a = root[:, None] * vh[:rank]  # [r, in]
+    error = math.sqrt(float((s[rank:] ** 2).sum() / (s ** 2).sum()))
+    return a.to(w.dtype), b.to(w.dtype), error
+
+
+def _factor_source(cfg, hf: dict, state: Dict[str, torch.Tensor], errors: dict):
+    """The ``factors(layer, proj, hf_module)`` callback of mapping.hf_to_megatron."""
+    attn_rank, mlp_rank = cfg.model.resolved_ranks()
+
+    def factors(layer: int, proj: str, hf_module: str):
+        rank = attn_rank if proj in ("q", "k", "v", "o") else mlp_rank
+        if hf["model_type"] == "cola":
+            return state[f"{hf_module}.cola_a"].t(), state[f"{hf_module}.cola_b"].t()
+        a, b, errors[(layer, proj)] = svd_factors(state[f"{hf_module}.weight"], rank)
+        return a, b
+
+    return factors
+
+
+def _check_ranks(cfg) -> None:
+    """A truncated SVD keeps at most min(in, out) directions of each [out, in] weight."""
+    m = cfg.model
+    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    limits = {"attn_rank": ("k/v", min(m.hidden_size, groups * head_dim,
+                                       m.num_attention_heads * head_dim)),
+              "mlp_rank": ("gate/up/down", min(m.hidden_size, m.ffn_hidden_size))}
+    for name, rank in zip(("attn_rank", "mlp_rank"), m.resolved_ranks()):
+        proj, limit = limits[name]
+        if rank > limit:
+            raise ValueError(f"rank {rank} (model.{name}) exceeds min(in, out) = {limit} of "
+                             f"the {proj} projections; set model.{name} <= {limit}")
+
+
+def _pad_vocab(weights: Dict[str, torch.Tensor], rows: int) -> None:
+    """Zero rows for megatron's padded vocabulary ids (never produced by the tokenizer)."""
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        w = weights[key]
+        weights[key] = torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])], 0)
+
+
+def _error_table(errors: dict, num_layers: int) -> str:
+    names = list(PROJECTIONS)
+    lines = ["relative error ||W - B·A||_F / ||W||_F per layer and projection:",
+             "layer " + " ".join(f"{n:>7}" for n in names)]
+    for layer in range(num_layers):
+        lines.append(f"{layer:>5} " + " ".join(f"{errors[(layer, n)]:7.4f}" for n in names))
+    return "\n".join(lines)
+
+
+def _sample_tokens(hf_dir: Path, cfg, text: str, vocab: int) -> List[int]:
+    """The sample text in the HF directory's tokenizer, else the run's, else fixed ids."""
+    if any((hf_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=True)(text)["input_ids"]
+    elif cfg.data.tokenizer_model:
+        ids = list(mb.build_tokenizer(cfg.data).tokenize(text))
+    else:
+        ids = prompt_ids(None, vocab, cfg.model.seq_length)
+    return ids[: cfg.model.seq_length]
+
+
+def _perplexities(model, hf_model, tokens: List[int]) -> Tuple[float, float]:
+    from megatron_boost.convert.scoring import perplexity, summed_loss
+
+    t = torch.tensor([tokens])
+    with torch.no_grad():
+        source = summed_loss(hf_model(t).logits[0], t[0])
+    ours = summed_loss(mb.logits(model, t)[0], t[0])
+    return perplexity(source, len(tokens) - 1), perplexity(ours, len(tokens) - 1)
+
+
+def _run_config(hf: dict, config: str, overrides: Sequence[str]):
+    cfg = mb.load_run_config(config, [*overrides, *_shape_overrides(hf),
+                                       f"model.vocab_size={hf['vocab_size']}"])
+    if hf["model_type"] == "cola" and not mb.is_lowrank(cfg):
+        raise ValueError("a ColaForCausalLM imports into a low-rank mode (parallel.mode naive "
+                         "or boost); set parallel.mode=boost")
+    vocab = (int(mb.build_tokenizer(cfg.data).vocab_size) if cfg.data.tokenizer_model
+             else hf["vocab_size"])
+    if hf["model_type"] == "llama" and mb.is_lowrank(cfg):
+        _check_ranks(cfg)
+    rows = mb.padded_vocab_size(vocab, cfg.parallel.tp)
+    if not vocab <= hf["vocab_size"] <= rows:
+        raise ValueError(f"vocab mismatch: the HF model has {hf['vocab_size']} embedding rows, "
+                         f"the run's tokenizer {vocab} ids (padded to {rows}); the rows must "
+                         f"lie in [{vocab}, {rows}]: use the model's own tokenizer")
+    return cfg, rows
+
+
+def import_hf(hf_dir: str, output: str, config: str, overrides: Sequence[str] = (),
+              sample_text: Optional[str] = None) -> dict:
+    """Import; prints the error table and both perplexities, returns them with the path."""
+    src, out = Path(hf_dir), Path(output)
+    if out.exists():
+        raise ValueError(f"output directory '{out}' already exists; remove it or choose "
+                         f"another path (nothing is overwritten)")
+    hf = read_hf_config(src)
+    cfg, rows = _run_config(hf, config, overrides)
+    hf_model = load_hf_model(src)
+    state, errors = read_hf_state_dict(hf_model), {}
+    factors = _factor_source(cfg, hf, state, errors) if mb.is_lowrank(cfg) else None
+    weights = hf_to_megatron(state, cfg.model.num_layers, attention_shape(cfg), factors)
+    _pad_vocab(weights, rows)
+    if errors:
+        print(_error_table(errors, cfg.model.num_layers), flush=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    with mb.single_process(cfg.training.seed):
+        model = mb.build_single_model(cfg, rows)
+        mb.set_weights(model, weights)
+        tokens = _sample_tokens(src, cfg, sample_text or SAMPLE_TEXT, hf["vocab_size"])
+        ppl_source, ppl_ours = _perplexities(model, hf_model, tokens)
+        print(f"perplexity on the sample text ({len(tokens)} tokens): source {ppl_source:.4f}"
+              f" | imported ({cfg.parallel.mode}) {ppl_ours:.4f}", flush=True)
+        try:
+            mb.save_weights_as_checkpoint(cfg, weights, rows, str(tmp))
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"errors": errors, "ppl_source": ppl_source, "ppl_imported": ppl_ours,
+            "checkpoint": str(out)}

@@ -1,0 +1,186 @@
+"""Everything the conversion tools use from the rest of megatron-boost, in one place.
+
+The tools (export, import, evaluate, generate) work on ONE process at TP = PP = 1: a
+checkpoint of any layout is resharded by dist_checkpointing into that model
+(``docs/design.md §8``), and a new checkpoint is written by the trainer's own save code, so it
+loads into any layout. CPU mode with a gloo group of one process (``docs/design.md §9``) runs
+megatron-core's code paths without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import yaml
+
+from megatron_boost.config.run import RunConfig, load_run_config, to_transformer_config
+from megatron_boost.data.datasets import build_tokenizer
+from megatron_boost.model.gpt import (
+    build_model,
+    init_global_weights,
+    padded_vocab_size,
+    sharded_params,
+)
+from megatron_boost.runtime.spawn import free_port
+from megatron_boost.train.loop import TRACKER_FILE, find_checkpoint, save_checkpoint
+from megatron_boost.train.step import build_ddp_model, build_optimizer, initialize_parallel
+
+__all__ = [
+    "RunConfig", "load_run_config", "build_tokenizer", "padded_vocab_size", "TRACKER_FILE",
+    "single_process", "resolve_checkpoint", "saved_run_config", "saved_vocab_rows",
+    "build_single_model", "initialised_single_model", "global_weights", "load_weights", "set_weights", "logits",
+    "save_weights_as_checkpoint", "is_lowrank",
+]
+
+
+def is_lowrank(cfg: RunConfig) -> bool:
+    return cfg.parallel.mode != "full"
+
+
+@contextlib.contextmanager
+def single_process(seed: int = 1234) -> Iterator[None]:
+    """A gloo world of one process in CPU mode with megatron's groups at TP = PP = 1, unless a
+    process group already exists (then that one is used as it is)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_boost.runtime.cpu_mode import use_cpu
+
+    if dist.is_initialized():
+        yield
+        return
+    use_cpu(force=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        initialize_parallel(1, 1, None, seed)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """A run's checkpoint folder (its latest iteration, by the tracker) or one iter_* folder."""
+    ckpt = find_checkpoint(path) if Path(path).is_dir() else None
+    if ckpt is None:
+        raise ValueError(f"checkpoint '{path}' is neither a checkpoint folder with "
+                         f"{TRACKER_FILE} nor an iter_* folder with metadata.json; give a run's "
+                         f"checkpoints folder (e.g. runs/debug/checkpoints)")
+    return ckpt
+
+
+def saved_run_config(ckpt: Path) -> Tuple[RunConfig, dict]:
+    """The run configuration saved in a checkpoint's common state, and that state."""
+    from megatron.core import dist_checkpointing
+
+    boost = dist_checkpointing.load_common_state_dict(str(ckpt)).get("boost_state")
+    if boost is None or "run_config" not in boost:
+        raise ValueError(f"{ckpt} is not a megatron-boost checkpoint (no boost_state with the "
+                         f"run config); export only checkpoints written by pretrain_lowrank.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "run.yaml"
+        path.write_text(yaml.safe_dump(boost["run_config"]))
+        return load_run_config(str(path)), boost
+
+
+def saved_vocab_rows(ckpt: Path) -> int:
+    """Rows of the saved (padded) embedding table, from the checkpoint metadata."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    return int(meta["embedding.word_embeddings.weight"].global_shape[0])
+
+
+def single_process_config(cfg: RunConfig) -> RunConfig:
+    """The same model at TP = PP = 1 in fp32 without recompute (for conversion and checks)."""
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel = dataclasses.replace(cfg.parallel, tp=1, pp=1, vpp=None, dp=None,
+                                       use_distributed_optimizer=False)
+    cfg.training.recompute = None
+    cfg.training.precision = "fp32"
+    return cfg
+
+
+def build_single_model(cfg: RunConfig, vocab_rows: int):
+    """The model of ``cfg`` at TP = PP = 1 (one chunk), fp32, in eval mode."""
+    config = to_transformer_config(single_process_config(cfg), torch.float32)
+    model = build_model(config, vocab_rows, cfg.model.seq_length,
+                        rotary_base=cfg.model.rotary_base)[0]
+    return model.eval()
+
+
+def initialised_single_model(cfg: RunConfig, vocab_rows: int):
+    """The TP = 1 model with the trainer's layout-independent initial weights of ``cfg``'s seed
+    (``docs/design.md §8``): the reference any layout's untrained checkpoint must reproduce."""
+    model = build_single_model(cfg, vocab_rows)
+    init_global_weights([model], cfg.training.seed, model.config)
+    return model
+
+
+def global_weights(model) -> Dict[str, torch.Tensor]:
+    """Global checkpoint key -> parameter; at TP = PP = 1 every parameter is its global tensor."""
+    return {key: param for key, _, _, param in sharded_params(model)}
+
+
+def load_weights(model, ckpt: Path) -> None:
+    """Load only the model's sharded state from a checkpoint of any layout (the optimizer
+    part, regular or distributed, is not read)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
+    model.load_state_dict(loaded["model"], strict=True)
+
+
+def set_weights(model, weights: Dict[str, torch.Tensor]) -> None:
+    """Copy global tensors into the TP = 1 model (every key must be present, shapes equal)."""
+    params = global_weights(model)
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise ValueError(f"no source tensor for {missing[:3]} ({len(missing)} missing)")
+    with torch.no_grad():
+        for key, param in params.items():
+            src = weights[key]
+            if tuple(src.shape) != tuple(param.shape):
+                raise ValueError(f"{key}: source shape {tuple(src.shape)} does not match the "
+                                 f"model's {tuple(param.shape)}")
+            param.copy_(src)
+
+
+@torch.no_grad()
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """[b, s] token ids -> [b, s, V] logits of the TP = 1 megatron model."""
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)  # [b, s]
+    return model(tokens, positions, None).float()
+
+
+def save_weights_as_checkpoint(cfg: RunConfig, weights: Dict[str, torch.Tensor],
+                               vocab_rows: int, save_dir: str) -> str:
+    """Write ``weights`` as iteration 0 of a trainer checkpoint (the trainer's own save code:
+    model, fresh optimizer and scheduler state, run config), loadable in any layout with
+    ``checkpoint.load=<save_dir> checkpoint.no_load_optim=true``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    single = single_process_config(cfg)
+    config = to_transformer_config(single, torch.float32)
+    ddp = build_ddp_model(config, vocab_rows, cfg.model.seq_length, cfg.training.seed,
+                          rotary_base=cfg.model.rotary_base)
+    set_weights(ddp[0].module, weights)
+    o = cfg.optimizer
+    optimizer = build_optimizer(config, ddp, lr=o.lr, min_lr=o.min_lr,
+                                weight_decay=o.weight_decay)
+    # A placeholder schedule: the trainer's configuration replaces it on load
+    # (override_opt_param_scheduler); only the step count, 0, is kept.
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=0,
+        lr_decay_steps=1, lr_decay_style="cosine", start_wd=o.weight_decay,
+        end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+    return save_checkpoint(save_dir, 0, ddp, optimizer, scheduler, 0, cfg, False)

@@ -1,0 +1,59 @@
+"""The training tokenizer as a Hugging Face tokenizer (``AutoTokenizer.from_pretrained``).
+
+A SentencePiece model is converted by transformers (``LlamaTokenizer`` reads ``tokenizer.model``;
+the conversion needs ``protobuf``) into a ``tokenizer.json``. transformers' Metaspace
+pre-tokenizer does not add SentencePiece's dummy prefix before text that starts with a space
+(" Hello" loses one "▁"), so the normaliser is set to exactly SentencePiece's: prepend "▁",
+then every space becomes "▁". No BOS/EOS is added: the training data are the plain
+SentencePiece ids with EOS only as the end-of-document token (``tools/preprocess_data.py``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["hf_tokenizer", "check_same_ids"]
+
+_SPIECE = "▁"
+
+
+def _from_sentencepiece(model_file: str):
+    from tokenizers import normalizers
+    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(model_file, Path(tmp) / "tokenizer.model")
+        converted = LlamaTokenizer.from_pretrained(tmp)
+    backend = converted.backend_tokenizer
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPIECE),
+                                               normalizers.Replace(" ", _SPIECE)])
+    backend.pre_tokenizer = None
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    specials = {name: sp.id_to_piece(i) for name, i in (
+        ("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()), ("unk_token", sp.unk_id()),
+        ("pad_token", sp.pad_id())) if i >= 0}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
+
+
+def hf_tokenizer(data_cfg):
+    """The HF tokenizer of a run's ``data`` section (SentencePiece file or HF directory)."""
+    from transformers import AutoTokenizer
+
+    if data_cfg.tokenizer_type == "huggingface":
+        return AutoTokenizer.from_pretrained(data_cfg.tokenizer_model)
+    return _from_sentencepiece(data_cfg.tokenizer_model)
+
+
+def check_same_ids(hf_tok, megatron_tok, text: str) -> None:
+    """Raise unless the HF tokenizer gives the training tokenizer's ids on ``text``."""
+    ours, theirs = list(megatron_tok.tokenize(text)), hf_tok(text)["input_ids"]
+    if ours != theirs:
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                     min(len(ours), len(theirs)))
+        raise ValueError(f"the exported tokenizer gives other ids than the training tokenizer "
+                         f"(first difference at token {first} of {len(ours)}); export with "
+                         f"--tokenizer naming the run's tokenizer file")

@@ -1,0 +1,373 @@
+"""HF export/import: every checkpoint layout exports the same tensors, HF logits equal megatron's,
+fold gives a plain Llama, import is exact (full rank, full-rank SVD) or reports the SVD tail
+energy (low rank), export -> import is bit-exact, bad input ends in one error line.
+
+Checkpoints come from the real trainer (2 iterations) with lr = min_lr = 0: the weights stay the
+trainer's layout-independent initialisation (docs/design.md §8), which the test recomputes at
+TP = 1 without dist_checkpointing, so "identical tensors in every layout" has an independent
+reference. Trained weights are covered by the logit checks (export verifies every export).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from megatron_boost.convert import megatron_side as mb  # noqa: E402
+from megatron_boost.convert.export import LOGIT_TOLERANCE, attention_shape  # noqa: E402
+from megatron_boost.convert.mapping import megatron_to_hf  # noqa: E402
+
+#: fp32 logits of one function evaluated in two op orders (HF vs megatron kernels, SVD in
+#: float64 rounded to fp32) agree to ~1e-6 of their O(1) scale; a wrong layout is off by O(1).
+EXACT = 1e-4
+
+LAYOUTS = {
+    "boost_tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    "naive_tp2": (2, ["parallel.mode=naive", "parallel.tp=2"]),
+    "full_tp2": (2, ["parallel.mode=full", "parallel.tp=2"]),
+    "boost_distopt_identity": (2, ["parallel.use_distributed_optimizer=true",
+                                   "model.bottleneck_activation=identity"]),
+}
+
+
+def sample_text() -> str:
+    """ASCII text for the tokenizer (byte fallback covers the rest)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return "".join(c for c in text if c == "\n" or 32 <= ord(c) < 127)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    (d / "text.txt").write_text(sample_text())
+    subprocess.run([sys.executable, str(ROOT / "tools/train_tokenizer.py"), "--input",
+                    str(d / "text.txt"), "--vocab-size", "400", "--model-prefix",
+                    str(d / "tok"), "--num-threads", "1"], check=True, capture_output=True)
+    return str(d / "tok.model")
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, tokenizer_model):
+    """checkpoint(name) -> run directory's checkpoints folder (trained once per session)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            nproc, overrides = LAYOUTS[name]
+            run = tmp_path_factory.mktemp(name)
+            env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+            proc = subprocess.run(
+                [TORCHRUN, f"--nproc_per_node={nproc}", str(ROOT / "pretrain_lowrank.py"),
+                 "--config", str(ROOT / "configs/debug.yaml"), *overrides,
+                 "training.train_iters=2", "optimizer.warmup_iters=1", "optimizer.lr=0",
+                 "optimizer.min_lr=0", "training.eval_iters=0", "data.mock=true",
+                 f"data.tokenizer_model={tokenizer_model}", f"logging.run_dir={run}",
+                 "logging.tensorboard=false"], env=env, capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            made[name] = str(run / "checkpoints")
+        return made[name]
+
+    return get
+
+
+def reference_hf(ckpt: str, fold: bool = False) -> dict:
+    """The HF tensors of the checkpoint's untrained model, computed at TP = 1 from the seed."""
+    path = mb.resolve_checkpoint(ckpt)
+    cfg, _ = mb.saved_run_config(path)
+    with mb.single_process():
+        model = mb.initialised_single_model(cfg, mb.saved_vocab_rows(path))
+        weights = {k: v.detach().clone() for k, v in mb.global_weights(model).items()}
+    return megatron_to_hf(weights, attention_shape(cfg), mb.is_lowrank(cfg), fold)
+
+
+def read_safetensors(d: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def export(ckpt, out, *args) -> int:
+    from megatron_boost.cli.export_hf import main
+
+    return main([str(ckpt), str(out), *args])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_export_any_layout_gives_the_tp1_tensors(layout, checkpoint, tmp_path, capsys):
+    ckpt = checkpoint(layout)
+    assert export(ckpt, tmp_path / "hf", "--max-shard-size", "100KB") == 0
+    out = capsys.readouterr().out
+    assert "greedy tokens (8) agree" in out, out
+    exported = read_safetensors(tmp_path / "hf")
+    reference = reference_hf(ckpt)
+    assert sorted(exported) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(exported[name], tensor), name
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()  # sharded at 100KB
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    lowrank = layout != "full_tp2"
+    assert config["architectures"] == ["ColaForCausalLM" if lowrank else "LlamaForCausalLM"]
+    assert (tmp_path / "hf" / "modeling_cola.py").is_file() == lowrank
+
+
+def test_exported_tokenizer_gives_training_ids(checkpoint, tmp_path, tokenizer_model):
+    from transformers import AutoTokenizer
+
+    from megatron_boost.data.datasets import DataConfig
+
+    assert export(checkpoint("full_tp2"), tmp_path / "hf") == 0
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ours = mb.build_tokenizer(DataConfig(tokenizer_model=tokenizer_model))
+    text = sample_text()[:4000] + "\n  two  spaces, ünïcode 🙂 and\ttabs "
+    assert hf_tok(text)["input_ids"] == list(ours.tokenize(text))
+    assert hf_tok(" Hello")["input_ids"] == list(ours.tokenize(" Hello"))
+
+
+def test_hf_model_reproduces_megatron_and_catches_a_transposed_weight(checkpoint, tmp_path):
+    from megatron_boost.convert.export import compare_with_hf
+    from megatron_boost.convert.hf_dir import load_hf_model
+
+    ckpt = checkpoint("full_tp2")
+    assert export(ckpt, tmp_path / "hf") == 0
+    hf_model = load_hf_model(tmp_path / "hf")
+    path = mb.resolve_checkpoint(ckpt)
+    cfg, _ = mb.saved_run_config(path)
+    prompt = list(range(5, 21))
+    with mb.single_process():
+        model = mb.build_single_model(cfg, mb.saved_vocab_rows(path))
+        mb.load_weights(model, path)
+        delta, agree, _ = compare_with_hf(model, hf_model, prompt)
+        assert delta < EXACT and agree
+        o_proj = hf_model.model.layers[0].self_attn.o_proj.weight  # square [d, d]
+        o_proj.data = o_proj.data.t().contiguous()  # negative control
+        delta, _, _ = compare_with_hf(model, hf_model, prompt)
+        assert delta > LOGIT_TOLERANCE
+
+
+def test_fold_writes_plain_llama(checkpoint, tmp_path, capsys):
+    ckpt = checkpoint("boost_distopt_identity")
+    assert export(ckpt, tmp_path / "hf", "--fold") == 0
+    assert "greedy tokens (8) agree" in capsys.readouterr().out
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in config
+    assert config["hidden_act"] == "linear"  # no gate non-linearity (mlp_gate_activation off)
+    assert not list((tmp_path / "hf").glob("*.py"))
+    exported, reference = read_safetensors(tmp_path / "hf"), reference_hf(ckpt, fold=True)
+    for name, tensor in reference.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+# ---------------------------------------------------------------------------------------------
+# import
+# ---------------------------------------------------------------------------------------------
+
+
+def random_llama(d: Path, num_key_value_heads: int = 2) -> Path:
+    """A randomly initialised LlamaForCausalLM of the debug size (GQA), saved locally."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=num_key_value_heads, max_position_embeddings=32,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # non-trivial norms, so a norm mapped to the wrong slot shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(d)
+    return d
+
+
+def import_(hf_dir, out, *overrides) -> int:
+    from megatron_boost.cli.import_hf import main
+
+    return main([str(hf_dir), str(out), "--config", str(ROOT / "configs/debug.yaml"),
+                 *overrides])
+
+
+def imported_logits(ckpt_dir, tokens):
+    path = mb.resolve_checkpoint(str(ckpt_dir))
+    cfg, _ = mb.saved_run_config(path)
+    with mb.single_process():
+        model = mb.build_single_model(cfg, mb.saved_vocab_rows(path))
+        mb.load_weights(model, path)
+        return mb.logits(model, tokens)
+
+
+def hf_logits(hf_dir, tokens):
+    from megatron_boost.convert.hf_dir import load_hf_model
+
+    with torch.no_grad():
+        return load_hf_model(hf_dir)(tokens).logits
+
+
+TOKENS = torch.arange(3, 35).remainder(256).unsqueeze(0)  # [1, 32]
+
+
+def test_import_full_rank_is_exact(tmp_path):
+    hf = random_llama(tmp_path / "llama")
+    assert import_(hf, tmp_path / "ckpt", "parallel.mode=full") == 0
+    ours, theirs = imported_logits(tmp_path / "ckpt", TOKENS), hf_logits(hf, TOKENS)
+    assert (ours - theirs).abs().max() < EXACT
+
+
+def test_import_at_full_rank_with_identity_is_exact(tmp_path):
+    hf = random_llama(tmp_path / "llama", num_key_value_heads=4)  # every min(in, out) = 64
+    assert import_(hf, tmp_path / "ckpt", "model.attn_rank=64", "model.mlp_rank=64",
+                   "model.bottleneck_activation=identity", "model.mlp_gate_activation=true") == 0
+    ours, theirs = imported_logits(tmp_path / "ckpt", TOKENS), hf_logits(hf, TOKENS)
+    assert (ours - theirs).abs().max() < EXACT
+
+
+def test_import_low_rank_reports_the_svd_tail_energy(tmp_path):
+    from safetensors.torch import load_file
+
+    from megatron_boost.convert.importer import import_hf
+
+    hf = random_llama(tmp_path / "llama")
+    result = import_hf(str(hf), str(tmp_path / "ckpt"), str(ROOT / "configs/debug.yaml"))
+    state = load_file(str(hf / "model.safetensors"))
+    assert len(result["errors"]) == 2 * 7
+    for (layer, proj), error in result["errors"].items():
+        module = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                  "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                  "down": "mlp.down_proj"}[proj]
+        s = torch.linalg.svdvals(state[f"model.layers.{layer}.{module}.weight"].double())
+        tail = float((s[16:] ** 2).sum() / (s ** 2).sum()) ** 0.5  # rank 16 (debug.yaml)
+        assert error == pytest.approx(tail, rel=1e-9), (layer, proj)
+
+
+def test_export_import_round_trip_is_bit_exact(checkpoint, tmp_path, tokenizer_model):
+    ckpt = checkpoint("boost_tp2_pp2")
+    assert export(ckpt, tmp_path / "hf") == 0
+    assert import_(tmp_path / "hf", tmp_path / "back", "parallel.tp=2",
+                   f"data.tokenizer_model={tokenizer_model}") == 0
+    cfg, _ = mb.saved_run_config(mb.resolve_checkpoint(ckpt))
+    originals, back = [], []
+    for source, into in ((ckpt, originals), (str(tmp_path / "back"), back)):
+        path = mb.resolve_checkpoint(source)
+        with mb.single_process():
+            model = mb.build_single_model(cfg, mb.saved_vocab_rows(path))
+            mb.load_weights(model, path)
+            into.append({k: v.detach().clone() for k, v in mb.global_weights(model).items()})
+    assert originals[0].keys() == back[0].keys()
+    for key, tensor in originals[0].items():
+        assert torch.equal(back[0][key], tensor), key
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: one line "error: ...", exit status 2, nothing written
+# ---------------------------------------------------------------------------------------------
+
+
+def _one_error_line(capsys, *words):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for word in words:
+        assert word in err[0], err[0]
+
+
+def test_export_bad_inputs(checkpoint, tmp_path, capsys):
+    assert export(tmp_path / "missing", tmp_path / "a") == 2
+    _one_error_line(capsys, "missing", "checkpoint")
+    (tmp_path / "exists").mkdir()
+    assert export(checkpoint("full_tp2"), tmp_path / "exists") == 2
+    _one_error_line(capsys, "already exists")
+    assert export(checkpoint("full_tp2"), tmp_path / "b", "--fold") == 2
+    _one_error_line(capsys, "--fold", "full rank")
+    assert export(checkpoint("full_tp2"), tmp_path / "c", "--tokenizer",
+                  str(tmp_path / "none.model")) == 2
+    _one_error_line(capsys, "none.model")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "c").exists() and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_fold_refuses_a_nonlinear_bottleneck(checkpoint, tmp_path, capsys):
+    assert export(checkpoint("naive_tp2"), tmp_path / "hf", "--fold") == 2
+    _one_error_line(capsys, "σ = 'silu'")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_import_bad_inputs(tmp_path, capsys, tokenizer_model):
+    assert import_(tmp_path / "nothing", tmp_path / "a") == 2
+    _one_error_line(capsys, "config.json")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert import_(gpt2, tmp_path / "a") == 2
+    _one_error_line(capsys, "gpt2", "not LLaMA-like")
+    hf = random_llama(tmp_path / "llama")  # k, v: [32, 64]
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert import_(hf, tmp_path / "a", "model.attn_rank=48") == 2
+    _one_error_line(capsys, "rank 48", "min(in, out) = 32", "model.attn_rank <= 32")
+    assert import_(hf, tmp_path / "a", f"data.tokenizer_model={tokenizer_model}") == 2
+    _one_error_line(capsys, "vocab mismatch", "256", "400")
+    (tmp_path / "exists").mkdir()
+    assert import_(hf, tmp_path / "exists") == 2
+    _one_error_line(capsys, "already exists")
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".*tmp*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# generation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_generate_greedy_equals_hf_generate(checkpoint, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from megatron_boost.cli.generate import generate, parse_args
+    from megatron_boost.convert.hf_dir import load_hf_model
+
+    ckpt = checkpoint("boost_tp2_pp2")
+    assert export(ckpt, tmp_path / "hf") == 0
+    new = generate(parse_args([ckpt, "--prompt", "The model", "--max-new-tokens", "12"]))
+    assert "[megatron boost] The model" in capsys.readouterr().out
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), trust_remote_code=True)
+    prompt = torch.tensor([tok.encode("The model")])
+    hf_new = load_hf_model(tmp_path / "hf").generate(
+        prompt, max_new_tokens=12, do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert new == hf_new[:len(new)] and len(new) > 0
+
+
+def test_evaluate_perplexity_is_exp_of_the_mean_loss(checkpoint, tmp_path, capsys):
+    import math
+
+    import torch.nn.functional as F
+
+    from megatron_boost.cli.evaluate import evaluate, parse_args
+    from megatron_boost.convert.tokenizer import hf_tokenizer
+
+    ckpt = checkpoint("naive_tp2")
+    text = sample_text()[:1500]
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    result = evaluate(parse_args([ckpt, "--input", str(tmp_path / "t.jsonl")]))
+    path = mb.resolve_checkpoint(ckpt)
+    cfg, _ = mb.saved_run_config(path)
+    ids = hf_tokenizer(cfg.data).encode(text)
+    losses = []
+    with mb.single_process():
+        model = mb.build_single_model(cfg, mb.saved_vocab_rows(path))
+        mb.load_weights(model, path)
+        for i in range(0, len(ids), 32):
+            w = torch.tensor([ids[i:i + 32]])
+            if w.shape[1] > 1:
+                logits = mb.logits(model, w)[0]
+                losses.append(F.cross_entropy(logits[:-1], w[0, 1:], reduction="none"))
+    mean = float(torch.cat(losses).mean())
+    assert result["perplexity"] == pytest.approx(math.exp(mean), rel=1e-6)
+    assert "perplexity" in capsys.readouterr().out
