@@ -22,14 +22,11 @@ import yaml
 
 from megatron_boost.config.run import RunConfig, load_run_config, to_transformer_config
 from megatron_boost.data.datasets import build_tokenizer
-from megatron_boost.model.gpt import (
-    build_model,
-    init_global_weights,
-    padded_vocab_size,
-    sharded_params,
-)
+from megatron_boost.model.gpt import build_model, padded_vocab_size
+from megatron_boost.model.init import init_global_weights, sharded_params
 from megatron_boost.runtime.spawn import free_port
-from megatron_boost.train.loop import TRACKER_FILE, find_checkpoint, save_checkpoint
+from megatron_boost.train.checkpointing import TRACKER_FILE, find_checkpoint, save_checkpoint
+from megatron_boost.train.state import TrainState
 from megatron_boost.train.step import build_ddp_model, build_optimizer, initialize_parallel
 
 __all__ = [
@@ -183,4 +180,4 @@ def save_weights_as_checkpoint(cfg: RunConfig, weights: Dict[str, torch.Tensor],
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=0,
         lr_decay_steps=1, lr_decay_style="cosine", start_wd=o.weight_decay,
         end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
-    return save_checkpoint(save_dir, 0, ddp, optimizer, scheduler, 0, cfg, False)
+    return save_checkpoint(save_dir, TrainState(), ddp, optimizer, scheduler, cfg)
