@@ -14,19 +14,14 @@
 # repeated); FRESH=1 deletes the three run directories first.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-# megatron orders its overlapped TP communication on a single CUDA work queue
-# (docs/design.md §10.12); harmless on the CPU.
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 if [ $# -lt 1 ]; then
     echo "usage: scripts/compare_modes.sh <config.yaml> [section.key=value ...]" >&2
     exit 2
 fi
 CONFIG=$1
 shift
-if [ -z "${VIRTUAL_ENV:-}" ] && [ -f "$ROOT/.venv/bin/activate" ]; then
-    # shellcheck disable=SC1091
-    . "$ROOT/.venv/bin/activate"
-fi
+# shellcheck source=scripts/launch_env.sh
+. "$ROOT/scripts/launch_env.sh"
 # logging.run_dir and the process count, from the config with the overrides applied
 read -r RUN_DIR WORLD < <(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python -W ignore - "$CONFIG" "$@" <<'PY'
 import sys

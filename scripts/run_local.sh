@@ -10,9 +10,6 @@
 # port, so several local runs can coexist. Extra torchrun options: TORCHRUN_ARGS="...".
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-# megatron orders its overlapped TP communication on a single CUDA work queue
-# (docs/design.md §10.12); harmless on the CPU.
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 if [ $# -lt 2 ]; then
     echo "usage: scripts/run_local.sh <nproc> <config.yaml> [section.key=value ...]" >&2
     exit 2
@@ -28,10 +25,8 @@ if [ ! -f "$CONFIG" ]; then
     echo "run_local.sh: error: config file '$CONFIG' does not exist" >&2
     exit 2
 fi
-if [ -z "${VIRTUAL_ENV:-}" ] && [ -f "$ROOT/.venv/bin/activate" ]; then
-    # shellcheck disable=SC1091
-    . "$ROOT/.venv/bin/activate"
-fi
+# shellcheck source=scripts/launch_env.sh
+. "$ROOT/scripts/launch_env.sh"
 # shellcheck disable=SC2086
 exec torchrun --standalone --nproc_per_node="$NPROC" ${TORCHRUN_ARGS:-} \
     "$ROOT/pretrain_lowrank.py" --config "$CONFIG" "$@"
