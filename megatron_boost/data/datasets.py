@@ -288,6 +288,22 @@ def _check_split_coverage(prefixes: list[str], split_matrix: list, split: str) -
                 )
 
 
+def _blends(data_cfg: DataConfig):
+    """``(blend, blend_per_split, split)`` for megatron's GPTDatasetConfig: one blend cut by
+    ``data.split``, or one blend per split when a separate validation set is given (train then
+    reads all of ``data_path``). All None for mock data: GPTDatasetConfig then switches itself
+    to mock mode."""
+    if data_cfg.mock:
+        return None, None, None
+    train_blend = parse_blend(data_cfg.data_path, "data.data_path")
+    if not data_cfg.valid_data_path:
+        return train_blend, None, str(data_cfg.split)
+    test_blend = (parse_blend(data_cfg.test_data_path, "data.test_data_path")
+                  if data_cfg.test_data_path else None)
+    valid_blend = parse_blend(data_cfg.valid_data_path, "data.valid_data_path")
+    return None, [train_blend, valid_blend, test_blend], None
+
+
 def build_gpt_datasets(
     data_cfg: DataConfig,
     tokenizer,
@@ -317,25 +333,7 @@ def build_gpt_datasets(
     if seq_length < 1:
         raise ValueError(f"seq_length={seq_length} must be >= 1")
 
-    blend, blend_per_split, split = None, None, None
-    if not data_cfg.mock:
-        train_blend = parse_blend(data_cfg.data_path, "data.data_path")
-        if data_cfg.valid_data_path:
-            # Separate distributions per split: train reads all of data_path.
-            test_blend = (
-                parse_blend(data_cfg.test_data_path, "data.test_data_path")
-                if data_cfg.test_data_path
-                else None
-            )
-            blend_per_split = [
-                train_blend,
-                parse_blend(data_cfg.valid_data_path, "data.valid_data_path"),
-                test_blend,
-            ]
-        else:
-            blend, split = train_blend, str(data_cfg.split)
-    # With blend and blend_per_split both None, GPTDatasetConfig switches itself to mock mode.
-
+    blend, blend_per_split, split = _blends(data_cfg)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
