@@ -69,6 +69,10 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rotary_base: int = 10000
     """RoPE base."""
+    attention_backend: str = "auto"
+    """Core attention: auto (te on CUDA when transformer_engine imports, else sdpa), sdpa
+    (torch scaled_dot_product_attention), local (megatron's DotProductAttention), te
+    (Transformer Engine, CUDA only)."""
 
     def resolved_ranks(self) -> tuple:
         rank = max(1, int(round(self.rank_ratio * self.hidden_size)))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_boost.config.transformer import TPMode
+from megatron_boost.runtime.backends import check_attention_backend
 
 __all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations"]
 
@@ -91,6 +92,7 @@ def _check_layout(cfg) -> None:
 
 def _check_modes(cfg) -> None:
     t = cfg.training
+    check_attention_backend(cfg.model.attention_backend)
     if t.precision not in _PRECISIONS:
         raise ValueError(f"training.precision ({t.precision!r}) must be one of "
                          f"auto, fp32, bf16")
