@@ -1,0 +1,79 @@
+"""Host synchronisations per training step: a constant, not one per parameter or micro-batch.
+
+One gloo worker builds the debug model twice, once with 1 layer and 1 micro-batch per step
+and once with 3 layers and 4 micro-batches (so roughly 3x the parameters and 4x the
+micro-batches), runs one warm-up step and counts the host synchronisations of the next
+(:class:`~megatron_boost.runtime.host_sync.HostSyncCounter`). The counts must be equal and
+small. The counter itself is checked first on known code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_boost.runtime.host_sync import HostSyncCounter
+from megatron_boost.runtime.spawn import run_distributed
+
+SEQ, MBS = 16, 2
+MAX_SYNCS_PER_STEP = 4
+
+
+def test_counter_counts_each_kind(monkeypatch):
+    # A CPU build of torch raises on synchronize; CPU mode makes it a no-op the same way.
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    t = torch.arange(4.0)
+    with HostSyncCounter() as syncs:
+        t.sum().item()
+        float(t[0])
+        t.tolist()
+        t.cpu()
+        bool(t[1] > 0)
+        torch.cuda.synchronize()
+        t * 2  # not a sync
+    assert dict(syncs.counts) == {"item": 1, "float": 1, "tolist": 1, "cpu": 1, "bool": 1,
+                                  "cuda.synchronize": 1}
+    assert torch.cuda.synchronize is not syncs._counting_synchronize  # restored on exit
+
+
+def _batches(vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, vocab, (MBS, SEQ + 1), generator=gen)
+        yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+               "loss_mask": torch.ones(MBS, SEQ),
+               "position_ids": torch.arange(SEQ).expand(MBS, SEQ)}
+
+
+def _step_syncs(num_layers, num_microbatches):
+    from megatron_boost.config.run import load_run_config, to_transformer_config
+    from megatron_boost.train.step import (
+        build_ddp_model, build_optimizer, make_forward_step, train_step)
+
+    cfg = load_run_config("configs/debug.yaml", [f"model.num_layers={num_layers}",
+                                                 f"model.seq_length={SEQ}"])
+    config = to_transformer_config(cfg)
+    ddp = build_ddp_model(config, 256, SEQ, seed=1)
+    optimizer = build_optimizer(config, ddp, lr=1e-3, min_lr=1e-4, weight_decay=0.0)
+    forward_step = make_forward_step(next)
+    data = [_batches(256, seed=2)]
+
+    def step():
+        return train_step(forward_step, data, ddp, optimizer, num_microbatches, SEQ, MBS)
+
+    step()  # warm-up: lazy initialisation (optimizer state, buffers)
+    with HostSyncCounter() as syncs:
+        step()
+    return dict(syncs.counts)
+
+
+def _worker(rank, world):
+    from megatron_boost.train.step import initialize_parallel
+
+    initialize_parallel(1, 1, None, seed=1)
+    return {"small": _step_syncs(1, 1), "large": _step_syncs(3, 4)}
+
+
+def test_host_syncs_per_step_do_not_grow_with_parameters_or_micro_batches():
+    counts = run_distributed(_worker, 1)[0]
+    assert counts["small"] == counts["large"], counts
+    assert sum(counts["large"].values()) <= MAX_SYNCS_PER_STEP, counts
