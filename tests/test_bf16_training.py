@@ -43,25 +43,25 @@ def test_bf16_run_trains(ref_run):
     assert (run_dir / "checkpoints" / "iter_0000002" / "metadata.json").is_file()
 
 
-def test_bf16_resume_is_exact(ref_run, tmp_path):
+def _resume_from_iteration_2(ref_run, tmp_path, nproc):
+    """Resume the reference run's iteration-2 checkpoint at TP=nproc; (ref, resumed) losses."""
     mode, run_dir, _ = ref_run
     ckpt = run_dir / "checkpoints" / "iter_0000002"
-    proc = run_training(2, BF16 + [f"parallel.mode={mode}", "parallel.tp=2",
-                                   f"logging.run_dir={tmp_path}", f"checkpoint.load={ckpt}"])
-    assert "at iteration 2" in proc.stdout
-    ref, got = losses(run_dir), losses(tmp_path)
+    proc = run_training(nproc, BF16 + [f"parallel.mode={mode}", f"parallel.tp={nproc}",
+                                       f"logging.run_dir={tmp_path}", f"checkpoint.load={ckpt}"])
+    assert "at iteration 2" in proc.stdout and "saved layout tp=2 pp=1" in proc.stdout
+    got = losses(tmp_path)
     assert sorted(got) == [3, 4]
+    return losses(run_dir), got
+
+
+def test_bf16_resume_is_exact(ref_run, tmp_path):
+    ref, got = _resume_from_iteration_2(ref_run, tmp_path, nproc=2)
     for it in (3, 4):
-        assert got[it] == ref[it], (mode, it, got[it], ref[it])
+        assert got[it] == ref[it], (ref_run[0], it, got[it], ref[it])
 
 
 def test_bf16_checkpoint_reshards_tp2_to_tp1(ref_run, tmp_path):
-    mode, run_dir, _ = ref_run
-    ckpt = run_dir / "checkpoints" / "iter_0000002"
-    proc = run_training(1, BF16 + [f"parallel.mode={mode}", "parallel.tp=1",
-                                   f"logging.run_dir={tmp_path}", f"checkpoint.load={ckpt}"])
-    assert "saved layout tp=2 pp=1" in proc.stdout
-    ref, got = losses(run_dir), losses(tmp_path)
-    assert sorted(got) == [3, 4]
+    ref, got = _resume_from_iteration_2(ref_run, tmp_path, nproc=1)
     for it in (3, 4):
-        assert got[it] == pytest.approx(ref[it], rel=2e-2), (mode, it, got[it], ref[it])
+        assert got[it] == pytest.approx(ref[it], rel=2e-2), (ref_run[0], it, got[it], ref[it])
