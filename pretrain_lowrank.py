@@ -17,7 +17,6 @@ if __name__ == "__main__":
     for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed",
                     "full scope is deprecated",
                     "The .grad attribute of a Tensor that is not a leaf",
-                    "When using async grad allreduce it is recommended",
                     "`torch.distributed.all_gather_into_tensor` is deprecated",
                     "`torch.distributed.reduce_scatter_tensor` is deprecated",
                     "`load_state_dict` is deprecated", "Please use DTensor instead"):

@@ -29,16 +29,7 @@ from typing import Any, Optional
 from megatron_boost.analysis.shape import ModelShape, check_mode
 
 __all__ = ["flops_per_token", "forward_flops_per_token", "step_flops", "rank_step_flops",
-           "attention_core_flops", "count_flops", "peak_tflops", "PEAK_TFLOPS_BF16"]
-
-#: Dense bf16 peak TFLOP/s per device (no sparsity), matched as substrings of the CUDA device
-#: name, most specific first.
-PEAK_TFLOPS_BF16 = (
-    ("H200", 989.0),
-    ("H100", 989.0),
-    ("GH200", 989.0),
-    ("A100", 312.0),
-)
+           "attention_core_flops", "count_flops", "peak_tflops"]
 
 
 def _mode_of(cfg: Any, mode: Optional[str]) -> str:
@@ -127,19 +118,14 @@ def count_flops(fn, *args, **kwargs):
 
 def peak_tflops(configured: Optional[float] = None, device_kind: str = "cpu") -> Optional[float]:
     """Peak TFLOP/s of one device: ``configured`` (logging.peak_tflops) if given, else the
-    bf16 dense figure of a known GPU (A100 312, H100/H200 989), else None (CPU, unknown GPU:
-    MFU is then reported as n/a)."""
+    dense bf16 figure of this exact CUDA device (``runtime/devices.py``), else None (CPU, a
+    device not in the table: MFU is then reported as n/a)."""
     if configured:
         return float(configured)
     if device_kind != "cuda":
         return None
-    try:
-        import torch
+    import torch
 
-        name = torch.cuda.get_device_name()
-    except Exception:  # pragma: no cover - no driver
-        return None
-    for key, value in PEAK_TFLOPS_BF16:
-        if key in name:
-            return value
-    return None
+    from megatron_boost.runtime.devices import peak_dense_bf16_tflops
+
+    return peak_dense_bf16_tflops(torch.cuda.get_device_name())

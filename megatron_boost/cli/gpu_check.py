@@ -321,11 +321,11 @@ def _init_one_process(device: str) -> Optional[float]:
     """World of one for the in-process layer checks; returns the device's peak TFLOP/s."""
     from megatron_boost.runtime.cpu_mode import maybe_use_cpu
     from megatron_boost.runtime.devices import peak_dense_bf16_tflops
-    from megatron_boost.train.loop import _init_distributed
+    from megatron_boost.train.distributed import init_distributed
     from megatron_boost.train.step import initialize_parallel
 
     maybe_use_cpu(device)
-    _init_distributed(device)
+    init_distributed(device)
     initialize_parallel(1, 1, None, seed=1234)
     if device != "cuda":
         return None

@@ -22,6 +22,7 @@ import yaml
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
 from megatron_boost.config.validation import validate_run_config
 from megatron_boost.data.datasets import DataConfig
+from megatron_boost.runtime.backends import attention_backend_for_run
 
 __all__ = [
     "ModelConfig", "ParallelConfig", "TrainingConfig", "OptimizerConfig", "LoggingConfig",
@@ -337,6 +338,7 @@ def to_transformer_config(cfg: RunConfig, params_dtype: torch.dtype = torch.floa
         # Interleaved pipelines with batched p2p give silently wrong results at PP=2 on gloo
         # (docs/design.md §10.6); unbatched p2p is correct everywhere, so it is used with vpp.
         batch_p2p_comm=not par.vpp,
+        attention_backend=attention_backend_for_run(cfg)[0],
     )
     kwargs.update(extra)
     return BoostTransformerConfig(**kwargs)

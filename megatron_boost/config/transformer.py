@@ -116,8 +116,16 @@ class BoostTransformerConfig(TransformerConfig):
     the all-reduced bottleneck activations and the rms sums of squares; recompute the rest in
     backward without re-running any collective. naive and boost modes."""
 
+    attention_backend: str = "local"
+    """Core attention of every layer: sdpa (torch scaled_dot_product_attention), local
+    (megatron's DotProductAttention) or te (Transformer Engine). Runs take it from
+    ``model.attention_backend`` through ``runtime.backends.attention_backend_for_run``."""
+
     def __post_init__(self):
         self.tp_mode = TPMode.parse(self.tp_mode)
+        if self.attention_backend not in ("sdpa", "local", "te"):
+            raise ValueError(f"attention_backend ({self.attention_backend!r}) must be one of "
+                             f"sdpa, local, te (resolve 'auto' with runtime.backends first)")
         if self.lowrank_recompute and not self.tp_mode.is_lowrank:
             raise ValueError(
                 "recompute 'lowrank' (low-rank activation checkpointing) applies to the naive "

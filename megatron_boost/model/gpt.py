@@ -48,6 +48,7 @@ from megatron_boost.model.specs import (
     _replicated_decoder_pgs,
     default_pg_collection,
     get_layer_spec,
+    te_norm,
 )
 from megatron_boost.parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -98,6 +99,8 @@ def get_block_spec(config: BoostTransformerConfig, tp_group, vp_stage=None,
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     if config.tp_mode is TPMode.BOOST:
         norm = ModuleSpec(module=GatheredRMSNorm, params={"tp_group": tp_group})
+    elif config.attention_backend == "te":
+        norm = te_norm()  # the TE full-rank layer fuses its norms: its input_layernorm is Identity
     else:
         norm = layer.submodules.input_layernorm  # megatron's RMSNorm (local spec)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=norm)

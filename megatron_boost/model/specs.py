@@ -9,6 +9,11 @@ decoder group of the naive mode.
 * boost: BoostLinearQKV / BoostLinearFC1 (fused online-RMSNorm, docs/design.md §3) and
          BoostLinearRow; IdentityOp for input_layernorm / pre_mlp_layernorm.
 
+Core attention in every mode is ``config.attention_backend`` (model/attention.py: SDPAttention,
+megatron's DotProductAttention or TE's TEDotProductAttention). With ``te`` the full-rank model is
+megatron's own TE layer (``get_gpt_layer_with_transformer_engine_spec``), naive also takes TE's
+RMSNorm for its norm slots, and boost TE's attention only.
+
 Both bottleneck modes use :class:`BottleneckTransformerLayer`, megatron's layer with optional
 low-rank activation checkpointing (docs/design.md §7).
 """
@@ -19,13 +24,17 @@ import copy
 
 import torch
 import torch.distributed as dist
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
+from megatron_boost.model.attention import core_attention_class
 from megatron_boost.model.layers import (
     BottleneckGroup,
     BoostLinearFC1,
@@ -37,7 +46,7 @@ from megatron_boost.model.layers import (
 )
 from megatron_boost.parallel.recompute import lowrank_checkpoint
 
-__all__ = ["get_layer_spec", "BottleneckTransformerLayer", "default_pg_collection"]
+__all__ = ["get_layer_spec", "BottleneckTransformerLayer", "default_pg_collection", "te_norm"]
 
 _SELF_GROUP = {}
 
@@ -91,16 +100,31 @@ def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
     """The TransformerLayer spec of ``config.tp_mode``.
 
     ``tp_group`` is the real tensor-parallel group (naive passes it to its bottlenecks)."""
+    backend = config.attention_backend
+    if config.tp_mode is TPMode.FULL and backend == "te":
+        # megatron's own TE layer: fused norm + linear, TE attention and MLP (docs/design.md
+        # §10.12), with the canonical checkpoint keys to which the local spec maps its norms.
+        return get_gpt_layer_with_transformer_engine_spec()
     # A private copy: megatron may hand out the same spec object to every caller.
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
     if config.tp_mode is TPMode.FULL:
         return spec
     spec.module = BottleneckTransformerLayer
     if config.tp_mode is TPMode.NAIVE:
         _naive_slots(spec, tp_group)
+        if backend == "te":  # naive's norms run on the replicated stream: TE's RMSNorm fits
+            spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = te_norm()
     else:
-        _boost_slots(spec)
+        _boost_slots(spec)  # boost's norms are fused into its bottlenecks: TE attention only
     return spec
+
+
+def te_norm() -> type:
+    """Transformer Engine's norm module (RMSNorm with config.normalization='RMSNorm')."""
+    from megatron.core.extensions.transformer_engine import TENorm
+
+    return TENorm
 
 
 def _naive_slots(spec: ModuleSpec, tp_group) -> None:

@@ -21,7 +21,8 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-__all__ = ["TESTED_MEGATRON", "prepare_optimizer_load", "finish_optimizer_load"]
+__all__ = ["TESTED_MEGATRON", "prepare_optimizer_load", "finish_optimizer_load",
+           "inner_torch_optimizers"]
 
 #: megatron-core versions whose optimizer reload these workarounds were verified against.
 TESTED_MEGATRON = SpecifierSet(">=0.16,<0.17")
@@ -55,7 +56,7 @@ def _chain(optimizer) -> list:
     return getattr(optimizer, "chained_optimizers", None) or [optimizer]
 
 
-def _inner_torch_optimizers(optimizer) -> list:
+def inner_torch_optimizers(optimizer) -> list:
     """The torch.optim optimizers inside a megatron (Chained/Distributed/...) optimizer."""
     return [o.optimizer for o in _chain(optimizer) if getattr(o, "optimizer", None) is not None]
 
@@ -63,7 +64,7 @@ def _inner_torch_optimizers(optimizer) -> list:
 def _init_optimizer_state(optimizer) -> None:
     """Create Adam state (zero moments, step 0, one step tensor per parameter) where none
     exists, as a real step would, without changing any parameter."""
-    for opt in _inner_torch_optimizers(optimizer):
+    for opt in inner_torch_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
                 state = opt.state[p]
@@ -79,7 +80,7 @@ def _unshare_optimizer_steps(optimizer) -> None:
     """Give every parameter's Adam state its own ``step`` tensor: torch's Adam increments
     ``step`` in place per parameter, so a shared one would advance by the number of
     parameters per iteration and the bias correction (hence every update) would be wrong."""
-    for opt in _inner_torch_optimizers(optimizer):
+    for opt in inner_torch_optimizers(optimizer):
         for state in opt.state.values():
             step = state.get("step")
             if hasattr(step, "detach"):

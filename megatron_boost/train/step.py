@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.gpt import build_model, schedule_seq_length
 from megatron_boost.model.init import init_global_weights
+from megatron_boost.train.megatron_fixes import inner_torch_optimizers
 
 __all__ = [
     "initialize_parallel", "build_ddp_model", "build_optimizer", "make_forward_step",
@@ -86,8 +87,22 @@ def build_optimizer(config: BoostTransformerConfig, ddp_chunks, *, lr: float, mi
         bf16=config.bf16, params_dtype=config.params_dtype,
         use_distributed_optimizer=use_distributed_optimizer)
     optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
+    _fuse_torch_adam(optimizer)
     config.grad_scale_func = optimizer.scale_loss
     return optimizer
+
+
+def _fuse_torch_adam(optimizer) -> None:
+    """Without apex or TE megatron builds torch's AdamW, whose unfused update reads every
+    parameter's step counter with ``.item()``: one host read per parameter per step. Its fused
+    kernel (CPU and CUDA) keeps the counter on the parameter's device and updates all
+    parameters in one launch per device and dtype, with the same arithmetic. torch reads
+    ``fused`` from the param groups at every step; a checkpoint's groups bring their own."""
+    for opt in inner_torch_optimizers(optimizer):
+        if isinstance(opt, torch.optim.Adam):  # AdamW derives from Adam
+            opt.defaults.update(fused=True, foreach=False)
+            for group in opt.param_groups:
+                group.update(fused=True, foreach=False)
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

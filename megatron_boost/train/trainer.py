@@ -46,6 +46,7 @@ from megatron_boost.config.run import to_transformer_config
 from megatron_boost.config.validation import lr_decay_iterations, train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.model.gpt import padded_vocab_size
+from megatron_boost.runtime.backends import attention_backend_for_run
 from megatron_boost.train import step
 from megatron_boost.train.checkpointing import (
     TRACKER_FILE,
@@ -167,9 +168,12 @@ class Trainer:
         cfg, par, t = self.cfg, self.cfg.parallel, self.cfg.training
         m, gbs, seq = cfg.model, t.global_batch_size, cfg.model.seq_length
         n_params = sum(p.numel() for c in self.model for p in c.module.parameters())
+        attention, why = attention_backend_for_run(cfg)
         print0(f"megatron-boost: mode={par.mode} tp={par.tp} pp={par.pp} vpp={par.vpp} "
                f"dp={self.dp} world={dist.get_world_size()} device={self.device} "
-               f"precision={self._precision()} | layers={m.num_layers} d={m.hidden_size} "
+               f"(training.device={t.device}) precision={self._precision()} "
+               f"(training.precision={t.precision}) attention={attention} ({why}) | "
+               f"layers={m.num_layers} d={m.hidden_size} "
                f"f={m.ffn_hidden_size} vocab={self.vocab} (padded {self.padded_vocab}) "
                f"seq={seq} | params on rank 0: {n_params / 1e6:.2f}M | "
                f"global batch {gbs} = micro {t.micro_batch_size} × dp {self.dp} × "
