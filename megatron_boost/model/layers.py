@@ -45,7 +45,11 @@ from megatron_boost.parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     split_project,
 )
-from megatron_boost.parallel.recompute import ForwardReductions
+from megatron_boost.parallel.recompute import (
+    ForwardReductions,
+    statistic_rides_with_products,
+    sum_of_squares,
+)
 
 __all__ = [
     "Projection",
@@ -230,24 +234,25 @@ class BoostBottleneckGroup(BottleneckGroup):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ranks = [p.rank for p in self.projections]
-        fused = self._reduced_products(x)  # [s, b, Σr (+1)], complete on every rank
+        # [s, b, Σr] and the fp32 [s, b, 1] sum of squares (None without the fused norm),
+        # complete on every rank
+        total, sumsq = self._reduced_products(x)
         if self.fuse_norm:
-            total, sumsq = fused.split([sum(ranks), 1], dim=-1)  # [s, b, Σr], [s, b, 1]
-            inv_rms = torch.rsqrt(sumsq.float() / self.input_size + self.eps)
-            total = (total.float() * inv_rms).to(fused.dtype)
-        else:
-            total = fused  # [s, b, Σr]
+            inv_rms = torch.rsqrt(sumsq / self.input_size + self.eps)  # fp32 [s, b, 1]
+            total = (total.float() * inv_rms).to(total.dtype)
         # B factors on the replicated bottleneck; bwd: AR(Σr) of dz, overlapped with dB.
         outs = bottleneck_up(self.activation(total), self.factors("B"), ranks, self.tp_group,
                              self.config.overlap_bottleneck_grad_reduce)
         return self.combine(outs)
 
-    def _reduced_products(self, x: torch.Tensor) -> torch.Tensor:
-        """ONE GEMM for the group's A factors on the (γ-scaled) shard, the partial sum of
-        squares of x as one extra column when the norm is fused, and ONE all-reduce of both:
-        fwd AR(Σr + 1); bwd identity (then the GEMMs' backward).
+    def _reduced_products(self, x: torch.Tensor):
+        """ONE GEMM for the group's A factors on the (γ-scaled) shard and ONE all-reduce of the
+        partial products with, when the norm is fused, the partial sum of squares of x as one
+        extra column: fwd AR(Σr + 1); bwd identity (then the GEMMs' backward). The statistic
+        is fp32 from x to 1/rms: with bf16 products it is all-reduced in fp32 on its own
+        (:func:`statistic_rides_with_products`). Returns (products, statistic or None).
 
-        In the recompute of low-rank activation checkpointing the recorded sum is returned
+        In the recompute of low-rank activation checkpointing the recorded sums are returned
         without communicating and without recomputing the product (docs/design.md §7)."""
         xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
         sumsq_of = x if self.fuse_norm else None
@@ -255,12 +260,13 @@ class BoostBottleneckGroup(BottleneckGroup):
         if replay is not None and replay.replaying and self.tp_size > 1:
             return replay.replay_product(xin, self._fused_a(), sumsq_of)
         partial = torch.matmul(xin, self._fused_a().t())  # [s, b, Σr]
-        if sumsq_of is not None:
-            # Sum of squares in fp32; it travels in the activation dtype with the products
-            # (one collective), which is exact in fp32 and bf16-accurate in bf16.
-            sumsq = sumsq_of.float().pow(2).sum(dim=-1, keepdim=True).to(partial.dtype)
-            partial = torch.cat([partial, sumsq], dim=-1)  # [s, b, Σr + 1]
-        return self._all_reduce_forward(partial)
+        if sumsq_of is None:
+            return self._all_reduce_forward(partial), None
+        sumsq = sum_of_squares(sumsq_of)  # fp32 [s, b, 1], partial over the ranks
+        if not statistic_rides_with_products(partial.dtype):
+            return self._all_reduce_forward(partial), self._all_reduce_forward(sumsq)
+        fused = self._all_reduce_forward(torch.cat([partial, sumsq], dim=-1))  # [s, b, Σr + 1]
+        return fused.split([partial.shape[-1], 1], dim=-1)  # [s, b, Σr], [s, b, 1]
 
 
 class NaiveBottleneckGroup(BottleneckGroup):

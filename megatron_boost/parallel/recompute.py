@@ -3,7 +3,7 @@
 
 A checkpointed layer keeps, for its backward, only its input (boost: the hidden shard
 [s, b, d/t]) and the results of its forward all-reduces (boost: the Σr (+1) wide bottleneck
-sums, which carry online-RMSNorm's sums of squares; naive: the reduced chunk outputs). The
+sums and online-RMSNorm's fp32 sums of squares; naive: the reduced chunk outputs). The
 backward re-runs the layer; each forward all-reduce is then served from the recorded result,
 so a recompute never re-runs a collective and computes bitwise the same values.
 
@@ -20,7 +20,8 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
-__all__ = ["ForwardReductions", "installed", "lowrank_checkpoint"]
+__all__ = ["ForwardReductions", "installed", "lowrank_checkpoint", "sum_of_squares",
+           "statistic_rides_with_products"]
 
 
 class _ReplayReduce(torch.autograd.Function):
@@ -41,34 +42,79 @@ class _ReplayReduce(torch.autograd.Function):
 
 
 class _ReplayProduct(torch.autograd.Function):
-    """Recompute stand-in of all-reduce([xin · A^T | Σ x²]) (boost's A side): the recorded
-    result is returned and the partial product is NOT recomputed, since its gradient does not
-    need it.
+    """Recompute stand-in of all-reduce(xin · A^T) (boost's A side): the recorded result is
+    returned and the partial product is NOT recomputed, since its gradient does not need it.
 
-    fwd: no communication, no GEMM (the recorded, already reduced [s, b, Σr (+1)]).
-    bwd: what the product and the reduction would give: dxin = g_p · A, dA = (xin^T · g_p)^T
-         (the same GEMMs, in the same form, as autograd's matmul backward), and, for the
-         fused sum of squares, dx = g_ss · 2x. No communication (the reduction's bwd is identity).
+    fwd: no communication, no GEMM (the recorded, already reduced [s, b, Σr]).
+    bwd: what the product and the reduction would give: dxin = g · A, dA = (xin^T · g)^T (the
+         same GEMMs, in the same form, as autograd's matmul backward). No communication (the
+         reduction's bwd is identity).
     """
 
     @staticmethod
-    def forward(ctx, xin, a, x_sumsq, recorded):
-        ctx.save_for_backward(xin, a, x_sumsq)
+    def forward(ctx, xin, a, recorded):
+        ctx.save_for_backward(xin, a)
         return recorded.clone()
 
     @staticmethod
     def backward(ctx, g):
-        xin, a, x_sumsq = ctx.saved_tensors
-        n = a.shape[0]
-        g2d = g[..., :n].reshape(-1, n)  # [s·b, Σr]
+        xin, a = ctx.saved_tensors
+        g2d = g.reshape(-1, a.shape[0])  # [s·b, Σr]
         xin2d = xin.reshape(-1, xin.shape[-1])  # [s·b, d_in/t]
         dxin = g2d.mm(a).view(xin.shape)  # [s, b, d_in/t]
         da = xin2d.t().mm(g2d).t()  # [Σr, d_in/t]
-        dx = None
-        if x_sumsq is not None:
-            g_ss = g[..., n:].float()  # [s, b, 1]
-            dx = (g_ss * (2.0 * x_sumsq.float())).to(x_sumsq.dtype)
-        return dxin, da, dx, None
+        return dxin, da, None
+
+
+# ---- online-RMSNorm's statistic (docs/design.md §3), and its replay --------------------------
+
+
+def statistic_rides_with_products(dtype: torch.dtype) -> bool:
+    """Whether the fp32 sum of squares travels as the extra column of the products' all-reduce
+    (one Σr + 1 collective): with fp32 products. With bf16 products it is all-reduced in fp32
+    on its own, since a bf16 sum of squares carries a 2^-9 relative error that RMSNorm's own
+    fp32 statistic does not."""
+    return dtype == torch.float32
+
+
+def _sum_of_squares_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """d(Σ_k x_k²)/dx for the fp32 gradient g [s, b, 1], in x's dtype: 2·x·g."""
+    return (g * (2.0 * x.float())).to(x.dtype)
+
+
+class _SumOfSquares(torch.autograd.Function):
+    """Σ_k x_k² over the last dimension, in fp32 ([s, b, 1]). Saves x in its own dtype (the
+    fused norm's input, which autograd keeps anyway), not an fp32 copy of it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.float().pow(2).sum(dim=-1, keepdim=True)  # [s, b, 1]
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return _sum_of_squares_grad(x, g)
+
+
+def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """online-RMSNorm's partial statistic Σ_k x_k² of the local shard x, fp32 [s, b, 1]."""
+    return _SumOfSquares.apply(x)
+
+
+class _ReplaySumOfSquares(torch.autograd.Function):
+    """Recompute stand-in of the all-reduced statistic: the recorded fp32 [s, b, 1]; bwd as
+    :class:`_SumOfSquares` (the reduction's bwd is identity)."""
+
+    @staticmethod
+    def forward(ctx, x, recorded):
+        ctx.save_for_backward(x)
+        return recorded.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return _sum_of_squares_grad(x, g), None
 
 
 class ForwardReductions:
@@ -97,10 +143,21 @@ class ForwardReductions:
         return out
 
     def replay_product(self, xin: torch.Tensor, a: torch.Tensor,
-                       sumsq_of: Optional[torch.Tensor]) -> torch.Tensor:
-        """The recorded all-reduce([xin · A^T | Σ sumsq_of²]), with that expression's gradient
-        (see _ReplayProduct); only while replaying."""
-        return _ReplayProduct.apply(xin, a, sumsq_of, self._pop())
+                       sumsq_of: Optional[torch.Tensor]):
+        """The recorded (all-reduce(xin · A^T), all-reduce(Σ sumsq_of²) or None), with those
+        expressions' gradients (_ReplayProduct, _ReplaySumOfSquares); only while replaying.
+        Recorded as one [Σr + 1] result or, with bf16 products, two (see
+        :func:`statistic_rides_with_products`)."""
+        first = self._pop()
+        if sumsq_of is None:
+            return _ReplayProduct.apply(xin, a, first), None
+        if statistic_rides_with_products(xin.dtype):
+            n = a.shape[0]
+            products, stat = first[..., :n], first[..., n:]  # [s, b, Σr], [s, b, 1]
+        else:
+            products, stat = first, self._pop()
+        return (_ReplayProduct.apply(xin, a, products),
+                _ReplaySumOfSquares.apply(sumsq_of, stat))
 
     def check_consumed(self) -> None:
         """A recompute must replay exactly the reductions its forward recorded."""
