@@ -21,7 +21,8 @@ def _build(cfg, dtype: torch.dtype, vocab: int):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_boost.config.run import to_transformer_config
-    from megatron_boost.model.gpt import build_model, init_global_weights
+    from megatron_boost.model.gpt import build_model
+    from megatron_boost.model.init import init_global_weights
 
     config = to_transformer_config(cfg, dtype)
     (model,) = build_model(config, vocab, cfg.model.seq_length)

@@ -223,7 +223,7 @@ def profile_layer(plan: Plan, model: Dict[str, int], mode: str) -> Dict[str, flo
     """fwd+bwd of one decoder layer: time, GEMM TFLOP/s, GEMM share of device time."""
     import torch
 
-    from megatron_boost.analysis.accounting import build_decoder_layer
+    from megatron_boost.analysis.comm import build_decoder_layer
 
     config = _transformer_config(model, mode, plan.dtype)
     layer = build_decoder_layer(config).to(plan.device)
@@ -267,7 +267,7 @@ def _attention_run(plan: Plan, cls) -> Tuple[float, int, int, "object"]:
     import torch
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_boost.analysis.accounting import SavedActivations
+    from megatron_boost.analysis.memory import SavedActivations
 
     a = plan.attention
     model = _shape(a["heads"] * a["head_dim"], 4 * a["heads"], a["heads"], 16)
