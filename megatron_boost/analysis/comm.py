@@ -22,14 +22,16 @@ import torch
 from megatron_boost.analysis.collectives import CommLog, record_collectives
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
 
-__all__ = ["MODES", "DTYPES", "tp_comm_widths", "layer_comm_formula", "LayerCommSpec",
+__all__ = ["MODES", "DTYPES", "tp_comm_widths", "fp32_statistic_columns",
+           "layer_comm_formula", "LayerCommSpec",
            "comm_summary", "measure_layer_comm", "measure_layer_comm_specs",
            "layer_comm_worker", "build_decoder_layer"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def tp_comm_widths(shape: ModelShape, mode: str) -> Tuple[List[int], List[int]]:
+def tp_comm_widths(shape: ModelShape, mode: str,
+                   dtype: str = "fp32") -> Tuple[List[int], List[int]]:
     """(forward, backward) widths, elements per token, of one layer's TP all-reduces, in issue
     order (docs/design.md §5).
 
@@ -39,7 +41,9 @@ def tp_comm_widths(shape: ModelShape, mode: str) -> Tuple[List[int], List[int]]:
       down: d) and its input gradient backward (qkv: d, o: h·e, fc1: d, fc2: f).
     * boost: one all-reduce of the group's bottleneck forward (qkv: 3r_a + 1 with the fused
       online-RMSNorm sum of squares, docs/design.md §3; o: r_a, gate+up: 2r_m + 1, down: r_m)
-      and of its gradient backward (the same without the +1).
+      and of its gradient backward (the same without the +1). With bf16 activations the
+      fp32 sum of squares is all-reduced on its own (one fp32 value per token), so qkv and
+      gate+up issue two forward all-reduces each: 3r_a and 1, 2r_m and 1.
     """
     d, f = shape.hidden, shape.ffn
     mode = check_mode(mode)
@@ -49,7 +53,17 @@ def tp_comm_widths(shape: ModelShape, mode: str) -> Tuple[List[int], List[int]]:
         return ([shape.q_width + 2 * shape.kv_width, d, 2 * f, d],
                 [d, shape.q_width, d, f])
     ra, rm = shape.r_attn, shape.r_mlp
-    return [3 * ra + 1, ra, 2 * rm + 1, rm], [3 * ra, ra, 2 * rm, rm]
+    bwd = [3 * ra, ra, 2 * rm, rm]
+    if fp32_statistic_columns(mode, dtype):
+        return [3 * ra, 1, ra, 2 * rm, 1, rm], bwd
+    return [3 * ra + 1, ra, 2 * rm + 1, rm], bwd
+
+
+def fp32_statistic_columns(mode: str, dtype: str) -> int:
+    """Forward all-reduces per layer that carry online-RMSNorm's statistic as fp32 on their own
+    (one value per token): boost's two fused norms when the activations are not fp32
+    (docs/design.md §3); otherwise the statistic rides in the products' all-reduce."""
+    return 2 if check_mode(mode) == "boost" and dtype != "fp32" else 0
 
 
 def _formula_text(shape: ModelShape, mode: str) -> Tuple[str, str]:
@@ -64,18 +78,21 @@ def _formula_text(shape: ModelShape, mode: str) -> Tuple[str, str]:
     return "4r_a + 3r_m + 2", "4r_a + 3r_m"
 
 
-def layer_comm_formula(cfg: Any, mode: str) -> Dict[str, Any]:
-    """Per-decoder-layer TP collectives, elements per token, of a config (or ModelShape):
-    fwd/bwd widths (:func:`tp_comm_widths`), their sums and counts, and the symbolic formula."""
+def layer_comm_formula(cfg: Any, mode: str, dtype: str = "fp32") -> Dict[str, Any]:
+    """Per-decoder-layer TP collectives, elements per token, of a config (or ModelShape) in
+    activation ``dtype``: fwd/bwd widths (:func:`tp_comm_widths`), their sums and counts, the
+    forward one-column fp32 collectives (:func:`fp32_statistic_columns`) and the symbolic
+    formula."""
     shape = cfg if isinstance(cfg, ModelShape) else ModelShape.from_config(cfg)
     mode = check_mode(mode)
     if mode == "boost" and (shape.attn_rank is None or shape.mlp_rank is None):
         raise ValueError("boost mode needs attn_rank and mlp_rank")
-    fwd, bwd = tp_comm_widths(shape, mode)
+    fwd, bwd = tp_comm_widths(shape, mode, dtype)
     text = _formula_text(shape, mode)
     return {"fwd_elems_per_token": sum(fwd), "bwd_elems_per_token": sum(bwd),
             "fwd_count": len(fwd), "bwd_count": len(bwd),
             "fwd_widths": fwd, "bwd_widths": bwd,
+            "fwd_fp32_columns": fp32_statistic_columns(mode, dtype),
             "fwd_formula": text[0], "bwd_formula": text[1]}
 
 

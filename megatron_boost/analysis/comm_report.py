@@ -37,7 +37,9 @@ def _formula_entry(f: Dict[str, Any], tokens: int, esize: int) -> Dict[str, Any]
     return {"fwd": f["fwd_formula"], "bwd": f["bwd_formula"],
             "fwd_elems_per_token": f["fwd_elems_per_token"],
             "bwd_elems_per_token": f["bwd_elems_per_token"],
-            "fwd_bytes": f["fwd_elems_per_token"] * tokens * esize,
+            # the fp32 statistic columns are 4 bytes whatever the activation dtype
+            "fwd_bytes": (f["fwd_elems_per_token"] * esize
+                          + f["fwd_fp32_columns"] * (4 - esize)) * tokens,
             "bwd_bytes": f["bwd_elems_per_token"] * tokens * esize,
             "fwd_count": f["fwd_count"], "bwd_count": f["bwd_count"],
             "fwd_widths": f["fwd_widths"], "bwd_widths": f["bwd_widths"]}
@@ -82,7 +84,7 @@ def comm_volume_report(cfg: Any, micro_batch_size: int, seq_length: int, tp: int
                               "modes": {}}
     for mode in modes:
         entry: Dict[str, Any] = {
-            "formula": _formula_entry(layer_comm_formula(shape, mode), tokens, esize)}
+            "formula": _formula_entry(layer_comm_formula(shape, mode, dtype), tokens, esize)}
         if measured is not None and mode in measured:
             entry["measured"] = _measured_entry(measured[mode], tokens)
             entry["match"] = all(entry["measured"][k] == entry["formula"][k] for k in (
