@@ -252,7 +252,8 @@ def _boost_work(shape: ModelShape, t: int) -> LayerWork:
     # low-rank checkpointing (docs/design.md §7): hidden-sharded layer input + the all-reduced
     # bottleneck activations (7r) + the two rms scalars
     saved_lowrank = d / t + sig + 2
-    fwd, bwd = tp_comm_widths(shape, "boost")
+    # bf16 training: the fp32 norm statistic travels in its own all-reduce (§3)
+    fwd, bwd = tp_comm_widths(shape, "boost", dtype="bf16")
     return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems, coll_fwd=fwd,
                      coll_bwd=bwd, saved=saved, saved_attn_out=attn_out, saved_input=d / t,
                      saved_lowrank=saved_lowrank,
