@@ -18,17 +18,20 @@ __all__ = ["init_distributed", "shutdown", "print0", "broadcast_from_last_stage"
 def init_distributed(device: str) -> None:
     """Join the process group torchrun describes (nccl on GPU, gloo on CPU); without torchrun
     (``python pretrain_lowrank.py``), a world of one."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        from megatron_boost.runtime.spawn import free_port
-
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                                timeout=datetime.timedelta(minutes=30))
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    timeout = datetime.timedelta(minutes=30)
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # A world of one needs no rendezvous: an in-memory store instead of a TCP port, which
+    # another process could take between choosing it and binding it.
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout)
 
 
 def shutdown() -> None:
