@@ -327,7 +327,9 @@ def test_imported_llama_trains_and_evaluates_alike_in_every_layout(tmp_path, tok
     from megatron_boost.convert.tokenizer import hf_tokenizer
     from megatron_boost.data.datasets import DataConfig
 
-    hf = random_llama(tmp_path / "llama", num_key_value_heads=4, vocab_size=400)
+    # 512 rows = the 400 ids padded for TP (megatron's padded rows would hold logit 0 and take
+    # probability mass that the HF model, without them, does not give away)
+    hf = random_llama(tmp_path / "llama", num_key_value_heads=4, vocab_size=512)
     hf_tokenizer(DataConfig(tokenizer_model=tokenizer_model)).save_pretrained(hf)
     tok = f"data.tokenizer_model={tokenizer_model}"
     assert import_(hf, tmp_path / "ckpt", *BOOST_AT_FULL_RANK, tok) == 0
