@@ -28,3 +28,31 @@ def slurm_cluster_of(slurm_pool):
         return slurm_pool.get(nodes)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tokenizer_model(tmp_path_factory):
+    """A SentencePiece tokenizer of 400 ids trained on the README."""
+    from tests.convert_fixtures import train_tokenizer
+
+    return train_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, tokenizer_model):
+    """checkpoint(name) -> the checkpoints folder of a trainer run in layout ``name`` of
+    ``convert_fixtures.LAYOUTS`` (trained once per session, shared by the test files)."""
+    from tests.convert_fixtures import FROZEN_TRAINING, LAYOUTS, train
+
+    made = {}
+
+    def get(name):
+        if name not in made:
+            nproc, overrides = LAYOUTS[name]
+            run = tmp_path_factory.mktemp(name)
+            train(nproc, [*overrides, *FROZEN_TRAINING,
+                          f"data.tokenizer_model={tokenizer_model}"], run)
+            made[name] = str(run / "checkpoints")
+        return made[name]
+
+    return get

@@ -2,81 +2,37 @@
 fold gives a plain Llama, import is exact (full rank, full-rank SVD) or reports the SVD tail
 energy (low rank), export -> import is bit-exact, bad input ends in one error line.
 
-Checkpoints come from the real trainer (2 iterations) with lr = min_lr = 0: the weights stay the
-trainer's layout-independent initialisation (docs/design.md §8), which the test recomputes at
-TP = 1 without dist_checkpointing, so "identical tensors in every layout" has an independent
-reference. Trained weights are covered by the logit checks (export verifies every export).
+Checkpoints come from the real trainer (one iteration, conftest.py) with lr = min_lr = 0: the
+weights stay the trainer's layout-independent initialisation (docs/design.md §8), which the test
+recomputes at TP = 1 without dist_checkpointing, so "identical tensors in every layout" has an
+independent reference. Trained weights are covered by the logit checks (export verifies every export).
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from megatron_boost.convert import megatron_side as mb  # noqa: E402
 from megatron_boost.convert.export import LOGIT_TOLERANCE, attention_shape  # noqa: E402
 from megatron_boost.convert.mapping import megatron_to_hf  # noqa: E402
+from tests.convert_fixtures import (  # noqa: E402
+    FROZEN_TRAINING,
+    LAYOUTS,
+    ROOT,
+    random_llama,
+    sample_text,
+    torchrun,
+    train,
+)
 
 #: fp32 logits of one function evaluated in two op orders (HF vs megatron kernels, SVD in
 #: float64 rounded to fp32) agree to ~1e-6 of their O(1) scale; a wrong layout is off by O(1).
 EXACT = 1e-4
-
-LAYOUTS = {
-    "boost_tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
-    "naive_tp2": (2, ["parallel.mode=naive", "parallel.tp=2"]),
-    "full_tp2": (2, ["parallel.mode=full", "parallel.tp=2"]),
-    "boost_distopt_identity": (2, ["parallel.use_distributed_optimizer=true",
-                                   "model.bottleneck_activation=identity"]),
-}
-
-
-def sample_text() -> str:
-    """ASCII text for the tokenizer (byte fallback covers the rest)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    return "".join(c for c in text if c == "\n" or 32 <= ord(c) < 127)
-
-
-@pytest.fixture(scope="session")
-def tokenizer_model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    (d / "text.txt").write_text(sample_text())
-    subprocess.run([sys.executable, str(ROOT / "tools/train_tokenizer.py"), "--input",
-                    str(d / "text.txt"), "--vocab-size", "400", "--model-prefix",
-                    str(d / "tok"), "--num-threads", "1"], check=True, capture_output=True)
-    return str(d / "tok.model")
-
-
-@pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory, tokenizer_model):
-    """checkpoint(name) -> run directory's checkpoints folder (trained once per session)."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            nproc, overrides = LAYOUTS[name]
-            run = tmp_path_factory.mktemp(name)
-            env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-            proc = subprocess.run(
-                [TORCHRUN, f"--nproc_per_node={nproc}", str(ROOT / "pretrain_lowrank.py"),
-                 "--config", str(ROOT / "configs/debug.yaml"), *overrides,
-                 "training.train_iters=2", "optimizer.warmup_iters=1", "optimizer.lr=0",
-                 "optimizer.min_lr=0", "training.eval_iters=0", "data.mock=true",
-                 f"data.tokenizer_model={tokenizer_model}", f"logging.run_dir={run}",
-                 "logging.tensorboard=false"], env=env, capture_output=True, text=True)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-            made[name] = str(run / "checkpoints")
-        return made[name]
-
-    return get
 
 
 def reference_hf(ckpt: str, fold: bool = False) -> dict:
@@ -172,24 +128,6 @@ def test_fold_writes_plain_llama(checkpoint, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 # import
 # ---------------------------------------------------------------------------------------------
-
-
-def random_llama(d: Path, num_key_value_heads: int = 2) -> Path:
-    """A randomly initialised LlamaForCausalLM of the debug size (GQA), saved locally."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=num_key_value_heads, max_position_embeddings=32,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # non-trivial norms, so a norm mapped to the wrong slot shows
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(d)
-    return d
 
 
 def import_(hf_dir, out, *overrides) -> int:
@@ -371,3 +309,43 @@ def test_evaluate_perplexity_is_exp_of_the_mean_loss(checkpoint, tmp_path, capsy
     mean = float(torch.cat(losses).mean())
     assert result["perplexity"] == pytest.approx(math.exp(mean), rel=1e-6)
     assert "perplexity" in capsys.readouterr().out
+
+
+#: The HF LLaMA at full rank in boost mode: every rank = min(in, out) = 64 (4 KV heads), σ and
+#: the gate activation of LLaMA's MLP, so the import is exact (docs/design.md §1).
+BOOST_AT_FULL_RANK = ["model.attn_rank=64", "model.mlp_rank=64",
+                      "model.bottleneck_activation=identity", "model.mlp_gate_activation=true"]
+
+
+def _printed_loss(stdout: str, name: str) -> float:
+    line = next(l for l in stdout.splitlines() if l.startswith(f"[{name}]"))
+    return float(line.split("loss ")[1].split(" |")[0])
+
+
+def test_imported_llama_trains_and_evaluates_alike_in_every_layout(tmp_path, tokenizer_model):
+    from megatron_boost.cli.evaluate import evaluate, parse_args
+    from megatron_boost.convert.tokenizer import hf_tokenizer
+    from megatron_boost.data.datasets import DataConfig
+
+    # 512 rows = the 400 ids padded for TP (megatron's padded rows would hold logit 0 and take
+    # probability mass that the HF model, without them, does not give away)
+    hf = random_llama(tmp_path / "llama", num_key_value_heads=4, vocab_size=512)
+    hf_tokenizer(DataConfig(tokenizer_model=tokenizer_model)).save_pretrained(hf)
+    tok = f"data.tokenizer_model={tokenizer_model}"
+    assert import_(hf, tmp_path / "ckpt", *BOOST_AT_FULL_RANK, tok) == 0
+    ckpt = tmp_path / "ckpt"
+    out = train(2, ["parallel.tp=2", *BOOST_AT_FULL_RANK, "model.num_query_groups=4",
+                    f"checkpoint.load={ckpt}", "checkpoint.no_load_optim=true",
+                    *FROZEN_TRAINING, tok], tmp_path / "run")
+    assert f"resumed from {ckpt}/iter_0000000 at iteration 0" in out, out[-2000:]
+    text = tmp_path / "t.txt"
+    text.write_text(sample_text()[:1500])
+    tp2 = _printed_loss(torchrun(2, "tools/evaluate.py", [str(ckpt), "--input", str(text),
+                                                          "parallel.tp=2"]),
+                        "megatron boost tp=2 pp=1 dp=1")
+    one = evaluate(parse_args([str(ckpt), "--input", str(text)]))["loss"]
+    source = evaluate(parse_args([str(hf), "--input", str(text)]))["loss"]
+    # fp32 sums of ~1000 token losses in other op orders agree to ~1e-6 relative; a wrong
+    # shard or layout moves the mean loss by far more than the printed precision (1e-4).
+    assert one == pytest.approx(source, rel=1e-5)
+    assert abs(tp2 - one) <= 1e-4

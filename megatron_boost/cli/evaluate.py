@@ -1,26 +1,44 @@
-"""Perplexity of a megatron-boost checkpoint (any layout, resharded into one process) or an HF
-export on a text or JSONL file ("text" field), in windows of the model's context length.
+"""Perplexity of a megatron-boost checkpoint or an HF export on a text or JSONL file ("text"
+field), in windows of the model's context length.
 
     python tools/evaluate.py runs/debug/checkpoints --input data/valid.txt
+    torchrun --nproc_per_node=2 tools/evaluate.py runs/debug/checkpoints --input data/valid.txt \\
+        parallel.tp=2
 prints loss (mean nats per predicted token), perplexity exp(loss) and bits per byte.
+
+A checkpoint (saved in any layout) is evaluated in the launched layout: its saved run config
+with TP = PP = 1 unless overridden (``parallel.tp=2 parallel.pp=2``; the other ranks are
+data-parallel), fp32, the run's tokenizer and batch sizes. An HF directory is evaluated in one
+process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import List, Optional
 
 from megatron_boost.convert.errors import run_reporting_errors
 
+#: The evaluation layout's defaults, before the command line's overrides: the saved run's own
+#: layout need not fit this launch; only the tokenizer of the data section is read, so the
+#: training data need not exist here (mock data skips their validation).
+EVAL_DEFAULTS = ("parallel.tp=1", "parallel.pp=1", "parallel.vpp=null", "parallel.dp=null",
+                 "parallel.use_distributed_optimizer=false", "training.recompute=null",
+                 "training.precision=fp32", "data.mock=true")
+
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.splitlines()[1])
+    p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.splitlines()[0])
     p.add_argument("model", help="checkpoint folder, iter_* folder or HF directory")
     p.add_argument("--input", required=True, help="text file, or .jsonl with a 'text' field")
-    return p.parse_args(argv)
+    p.add_argument("overrides", nargs="*",
+                   help="section.key=value overrides of a checkpoint's run config, e.g. the "
+                        "layout parallel.tp=2 parallel.pp=2 (default TP = PP = 1)")
+    return p.parse_intermixed_args(argv)  # overrides may follow --input
 
 
 def read_text(path: str) -> str:
@@ -33,32 +51,70 @@ def read_text(path: str) -> str:
     return p.read_text()
 
 
-def evaluate(args) -> dict:
-    import torch
+def _report(name: str, text: str, windows: list, total: float, seconds: float,
+            seq_length: int) -> dict:
+    """The scores of a summed loss, printed as one line (by rank 0)."""
+    from megatron_boost.convert.scoring import bits_per_byte, perplexity
+    from megatron_boost.convert.text_eval import predicted_tokens
+    from megatron_boost.train.distributed import print0
+
+    predicted = predicted_tokens(windows)
+    result = {"loss": total / predicted, "perplexity": perplexity(total, predicted),
+              "bits_per_byte": bits_per_byte(total, len(text.encode("utf-8"))),
+              "tokens": predicted}
+    print0(f"[{name}] {predicted} predicted tokens in {len(windows)} windows of {seq_length} "
+           f"({predicted / seconds:,.0f} tokens/s): loss {result['loss']:.4f} | perplexity "
+           f"{result['perplexity']:.3f} | bits per byte {result['bits_per_byte']:.4f}")
+    return result
+
+
+def _evaluate_hf(path: str, text: str, overrides: List[str]) -> dict:
     from tqdm import tqdm
 
-    from megatron_boost.convert.scoring import bits_per_byte, perplexity, summed_loss
     from megatron_boost.convert.sources import open_model
+    from megatron_boost.convert.text_eval import hf_summed_loss, text_windows
 
+    if overrides or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"'{path}' is an HF directory: it is evaluated in one process without "
+                         f"overrides (python tools/evaluate.py {path} --input FILE)")
+    with open_model(path) as m:
+        windows = text_windows(m.tokenizer.encode(text), m.seq_length)
+        start = time.perf_counter()
+        total = hf_summed_loss(m.logits, tqdm(windows, desc="evaluate", unit="window"))
+        return _report(m.name, text, windows, total, time.perf_counter() - start,
+                       m.seq_length)
+
+
+def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from megatron_boost.cli.pretrain import select_device
+    from megatron_boost.convert import megatron_side as mb
+    from megatron_boost.convert.text_eval import layout_summed_loss, text_windows
+
+    ckpt = mb.resolve_checkpoint(path)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    cfg, _ = mb.saved_run_config(ckpt, [*EVAL_DEFAULTS, *overrides], world_size)
+    if not cfg.data.tokenizer_model:
+        raise ValueError(f"{ckpt} was trained without a tokenizer (mock data); text needs one")
+    seq, par = cfg.model.seq_length, cfg.parallel
+    windows = text_windows(list(mb.build_tokenizer(cfg.data).tokenize(text)), seq)
+    with mb.launched_world(cfg, select_device(cfg.training.device)) as device:
+        chunks = mb.launched_model(cfg, ckpt, device)
+        start = time.perf_counter()
+        total = layout_summed_loss(chunks, windows, cfg, device, progress=lambda batches: tqdm(
+            batches, desc="evaluate", unit="batch", disable=dist.get_rank() != 0))
+        name = (f"megatron {par.mode} tp={par.tp} pp={par.pp} "
+                f"dp={world_size // (par.tp * par.pp)}")
+        return _report(name, text, windows, total, time.perf_counter() - start, seq)
+
+
+def evaluate(args) -> dict:
     text = read_text(args.input)
-    with open_model(args.model) as m:
-        ids = m.tokenizer.encode(text)
-        windows = [ids[i:i + m.seq_length] for i in range(0, len(ids), m.seq_length)]
-        windows = [w for w in windows if len(w) > 1]
-        total, predicted, start = 0.0, 0, time.perf_counter()
-        for w in tqdm(windows, desc="evaluate", unit="window"):
-            t = torch.tensor([w])
-            total += summed_loss(m.logits(t)[0], t[0])
-            predicted += len(w) - 1
-        rate = predicted / (time.perf_counter() - start)
-        result = {"loss": total / predicted, "perplexity": perplexity(total, predicted),
-                  "bits_per_byte": bits_per_byte(total, len(text.encode("utf-8"))),
-                  "tokens": predicted}
-        print(f"[{m.name}] {predicted} predicted tokens in {len(windows)} windows of "
-              f"{m.seq_length} ({rate:,.0f} tokens/s): loss {result['loss']:.4f} | "
-              f"perplexity {result['perplexity']:.3f} | bits per byte "
-              f"{result['bits_per_byte']:.4f}", flush=True)
-    return result
+    if (Path(args.model) / "config.json").is_file():
+        return _evaluate_hf(args.model, text, args.overrides)
+    return _evaluate_checkpoint(args.model, text, args.overrides)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

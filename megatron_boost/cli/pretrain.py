@@ -14,7 +14,7 @@ import os
 import sys
 from typing import List, Optional
 
-__all__ = ["main", "parse_args", "CONFIG_ERROR_EXIT_CODE"]
+__all__ = ["main", "parse_args", "select_device", "CONFIG_ERROR_EXIT_CODE"]
 
 #: Exit status for configuration / usage errors (``error: ...`` on stderr).
 CONFIG_ERROR_EXIT_CODE = 2
@@ -33,7 +33,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _select_device(requested: str) -> str:
+def select_device(requested: str) -> str:
     """'cuda' or 'cpu' (CPU mode, docs/design.md §9); before megatron's training modules are
     imported."""
     from megatron_boost.runtime.cpu_mode import maybe_use_cpu
@@ -52,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
         cfg = load_run_config(args.config, args.overrides, world_size=world_size)
-        device = _select_device(cfg.training.device)
+        device = select_device(cfg.training.device)
         from megatron_boost.train.trainer import train
 
         return train(cfg, device)

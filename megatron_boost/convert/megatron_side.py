@@ -1,10 +1,12 @@
 """Everything the conversion tools use from the rest of megatron-boost, in one place.
 
-The tools (export, import, evaluate, generate) work on ONE process at TP = PP = 1: a
+The tools (export, import, generate) work on ONE process at TP = PP = 1: a
 checkpoint of any layout is resharded by dist_checkpointing into that model
 (``docs/design.md §8``), and a new checkpoint is written by the trainer's own save code, so it
 loads into any layout. CPU mode with a gloo group of one process (``docs/design.md §9``) runs
-megatron-core's code paths without a GPU.
+megatron-core's code paths without a GPU. Evaluation runs in the launched layout instead
+(torchrun, any TP / PP / DP): the checkpoint reshards into this rank's chunks and megatron's
+forward-only pipeline schedule scores the micro-batches, as the trainer's validation does.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import dataclasses
 import os
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import yaml
@@ -26,14 +28,22 @@ from megatron_boost.model.gpt import build_model, padded_vocab_size
 from megatron_boost.model.init import init_global_weights, sharded_params
 from megatron_boost.runtime.spawn import free_port
 from megatron_boost.train.checkpointing import TRACKER_FILE, find_checkpoint, save_checkpoint
+from megatron_boost.train.distributed import init_distributed, shutdown
 from megatron_boost.train.state import TrainState
-from megatron_boost.train.step import build_ddp_model, build_optimizer, initialize_parallel
+from megatron_boost.train.step import (
+    _run_schedule,
+    build_ddp_model,
+    build_optimizer,
+    initialize_parallel,
+    make_forward_step,
+)
 
 __all__ = [
     "RunConfig", "load_run_config", "build_tokenizer", "padded_vocab_size", "TRACKER_FILE",
     "single_process", "resolve_checkpoint", "saved_run_config", "saved_vocab_rows",
     "build_single_model", "initialised_single_model", "global_weights", "load_weights", "set_weights", "logits",
-    "save_weights_as_checkpoint", "is_lowrank",
+    "save_weights_as_checkpoint", "is_lowrank", "world_of_one_env", "load_chunk_weights",
+    "launched_world", "launched_model", "forward_only_losses", "holds_the_loss",
 ]
 
 
@@ -54,8 +64,7 @@ def single_process(seed: int = 1234) -> Iterator[None]:
         yield
         return
     use_cpu(force=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    world_of_one_env()
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         initialize_parallel(1, 1, None, seed)
@@ -63,6 +72,13 @@ def single_process(seed: int = 1234) -> Iterator[None]:
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def world_of_one_env() -> None:
+    """torch.distributed's environment for a world of this process alone, on a fresh port
+    (a port of an earlier group in the same process may still be held)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -75,8 +91,10 @@ def resolve_checkpoint(path: str) -> Path:
     return ckpt
 
 
-def saved_run_config(ckpt: Path) -> Tuple[RunConfig, dict]:
-    """The run configuration saved in a checkpoint's common state, and that state."""
+def saved_run_config(ckpt: Path, overrides: Sequence[str] = (),
+                     world_size: Optional[int] = None) -> Tuple[RunConfig, dict]:
+    """The run configuration saved in a checkpoint's common state (with ``overrides``,
+    validated for ``world_size`` processes when given), and that state."""
     from megatron.core import dist_checkpointing
 
     boost = dist_checkpointing.load_common_state_dict(str(ckpt)).get("boost_state")
@@ -86,7 +104,7 @@ def saved_run_config(ckpt: Path) -> Tuple[RunConfig, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.yaml"
         path.write_text(yaml.safe_dump(boost["run_config"]))
-        return load_run_config(str(path)), boost
+        return load_run_config(str(path), overrides, world_size), boost
 
 
 def saved_vocab_rows(ckpt: Path) -> int:
@@ -131,10 +149,18 @@ def global_weights(model) -> Dict[str, torch.Tensor]:
 def load_weights(model, ckpt: Path) -> None:
     """Load only the model's sharded state from a checkpoint of any layout (the optimizer
     part, regular or distributed, is not read)."""
+    load_chunk_weights([model], ckpt)
+
+
+def load_chunk_weights(chunks: List, ckpt: Path) -> None:
+    """:func:`load_weights` for this rank's model chunks in any layout: dist_checkpointing
+    finds every shard by its global key and reshards (``docs/design.md §8``)."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
-    model.load_state_dict(loaded["model"], strict=True)
+    sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    loaded = dist_checkpointing.load(sharded, str(ckpt))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[f"model{i}"], strict=True)
 
 
 def set_weights(model, weights: Dict[str, torch.Tensor]) -> None:
@@ -181,3 +207,56 @@ def save_weights_as_checkpoint(cfg: RunConfig, weights: Dict[str, torch.Tensor],
         lr_decay_steps=1, lr_decay_style="cosine", start_wd=o.weight_decay,
         end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
     return save_checkpoint(save_dir, TrainState(), ddp, optimizer, scheduler, cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# the launched layout (evaluation)
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def launched_world(cfg: RunConfig, device: str) -> Iterator[torch.device]:
+    """torchrun's process group (without torchrun: a world of this process) with megatron's
+    groups in ``cfg``'s layout, validated for this world size; yields the batch device."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        world_of_one_env()
+    init_distributed(device)
+    try:
+        initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp,
+                            cfg.training.seed)
+        yield (torch.device("cuda", torch.cuda.current_device()) if device == "cuda"
+               else torch.device("cpu"))
+    finally:
+        shutdown()  # megatron's groups and the process group
+
+
+def launched_model(cfg: RunConfig, ckpt: Path, device: torch.device) -> List:
+    """This rank's model chunks of ``cfg``'s layout in fp32 and eval mode, holding the
+    checkpoint's weights (resharded from whatever layout it was saved in)."""
+    config = to_transformer_config(cfg, torch.float32)
+    chunks = build_model(config, saved_vocab_rows(ckpt), cfg.model.seq_length,
+                         rotary_base=cfg.model.rotary_base)
+    chunks = [chunk.to(device).eval() for chunk in chunks]
+    load_chunk_weights(chunks, ckpt)
+    return chunks
+
+
+@torch.no_grad()
+def forward_only_losses(chunks: List, microbatches: List[dict], seq_length: int,
+                        micro_batch_size: int) -> List[float]:
+    """Mean token loss of every micro-batch (each a dict of [b, s] tokens, labels, loss_mask,
+    position_ids), through the trainer's forward step and megatron's forward-only schedule;
+    empty off the last pipeline stage."""
+    iterators = [iter(microbatches) for _ in chunks]  # every virtual chunk reads the same data
+    losses = _run_schedule(make_forward_step(next), iterators, chunks, len(microbatches),
+                           seq_length, micro_batch_size, forward_only=True)
+    return [float(loss["lm loss"]) for loss in losses]
+
+
+def holds_the_loss() -> bool:
+    """One rank per data-parallel replica reports its loss: the last pipeline stage holds it,
+    every tensor-parallel rank there the same value (vocab-parallel cross entropy)."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.is_pipeline_last_stage(ignore_virtual=True)
+            and ps.get_tensor_model_parallel_rank() == 0)
