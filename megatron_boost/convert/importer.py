@@ -185,6 +185,13 @@ def import_hf(hf_dir: str, output: str, config: str, overrides: Sequence[str] = 
     state, errors = read_hf_state_dict(hf_model), {}
     factors = _factor_source(cfg, hf, state, errors) if mb.is_lowrank(cfg) else None
     weights = hf_to_megatron(state, cfg.model.num_layers, attention_shape(cfg), factors)
+    if rows > hf["vocab_size"]:
+        # megatron's softmax runs over every padded row; a zero row has logit 0 and takes some
+        # probability mass until training pushes it down, so the imported perplexity is higher.
+        print(f"note: the vocabulary ({hf['vocab_size']} rows) is padded to {rows} rows for "
+              f"megatron (a multiple of 128 and of TP); the {rows - hf['vocab_size']} zero rows "
+              f"have logit 0, which raises the imported model's loss until training lowers them",
+              flush=True)
     _pad_vocab(weights, rows)
     if errors:
         print(_error_table(errors, cfg.model.num_layers), flush=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 import tempfile
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -26,7 +25,6 @@ from megatron_boost.config.run import RunConfig, load_run_config, to_transformer
 from megatron_boost.data.datasets import build_tokenizer
 from megatron_boost.model.gpt import build_model, padded_vocab_size
 from megatron_boost.model.init import init_global_weights, sharded_params
-from megatron_boost.runtime.spawn import free_port
 from megatron_boost.train.checkpointing import TRACKER_FILE, find_checkpoint, save_checkpoint
 from megatron_boost.train.distributed import init_distributed, shutdown
 from megatron_boost.train.state import TrainState
@@ -42,7 +40,7 @@ __all__ = [
     "RunConfig", "load_run_config", "build_tokenizer", "padded_vocab_size", "TRACKER_FILE",
     "single_process", "resolve_checkpoint", "saved_run_config", "saved_vocab_rows",
     "build_single_model", "initialised_single_model", "global_weights", "load_weights", "set_weights", "logits",
-    "save_weights_as_checkpoint", "is_lowrank", "world_of_one_env", "load_chunk_weights",
+    "save_weights_as_checkpoint", "is_lowrank", "load_chunk_weights",
     "launched_world", "launched_model", "forward_only_losses", "holds_the_loss",
 ]
 
@@ -64,21 +62,13 @@ def single_process(seed: int = 1234) -> Iterator[None]:
         yield
         return
     use_cpu(force=True)
-    world_of_one_env()
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         initialize_parallel(1, 1, None, seed)
         yield
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-
-
-def world_of_one_env() -> None:
-    """torch.distributed's environment for a world of this process alone, on a fresh port
-    (a port of an earlier group in the same process may still be held)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -218,8 +208,6 @@ def save_weights_as_checkpoint(cfg: RunConfig, weights: Dict[str, torch.Tensor],
 def launched_world(cfg: RunConfig, device: str) -> Iterator[torch.device]:
     """torchrun's process group (without torchrun: a world of this process) with megatron's
     groups in ``cfg``'s layout, validated for this world size; yields the batch device."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        world_of_one_env()
     init_distributed(device)
     try:
         initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp,

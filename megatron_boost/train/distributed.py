@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-__all__ = ["init_distributed", "shutdown", "print0", "broadcast_from_last_stage"]
+__all__ = ["init_distributed", "launched_by_torchrun", "shutdown", "print0", "broadcast_from_last_stage"]
 
 
 def init_distributed(device: str) -> None:
@@ -24,14 +24,18 @@ def init_distributed(device: str) -> None:
         return
     backend = "nccl" if device == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=30)
-    if "RANK" in os.environ:
+    if launched_by_torchrun():
         dist.init_process_group(backend, timeout=timeout)
         return
     # A world of one needs no rendezvous: an in-memory store instead of a TCP port, which
     # another process could take between choosing it and binding it.
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timeout)
+
+
+def launched_by_torchrun() -> bool:
+    """True when the environment describes a rendezvous (torchrun, srun + torchrun)."""
+    return "RANK" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def shutdown() -> None:
