@@ -1,0 +1,199 @@
+"""Fault tolerance of the training loop, on real TP=2 gloo runs (configs/debug.yaml, CPU).
+
+* Kill and resume: one rank is SIGKILLed at a seeded random moment (after some iteration,
+  and while a checkpoint is being written: the save sleeps before its commit through
+  ``MEGATRON_BOOST_TEST_SAVE_SLEEP`` and the kill comes when its ``iter_*.tmp`` directory
+  appears), with synchronous and asynchronous saves. The launcher must exit non-zero, the
+  tracker must name a complete checkpoint, and the same command relaunched must finish with
+  every logged loss equal, bit for bit, to an uninterrupted run's.
+* Non-finite steps: ``MEGATRON_BOOST_TEST_NAN_AT`` makes one rank's loss NaN; the step is
+  skipped on every rank (checkpoints before and after it hold the same weights and optimizer
+  state) and logged; after ``training.max_skipped_steps`` consecutive skips the run stops
+  with a message naming the iteration and saves nothing new (here: skips at 3 and 4 stop the
+  run before the save due at 4).
+* Hang: ``MEGATRON_BOOST_TEST_HANG_AT`` makes one rank stop responding; with
+  ``parallel.timeout_minutes=0.1`` the job ends within a bounded time, naming the rank.
+* Save stall: the seconds each save blocked training, sync vs async, printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_training import ROOT, _cmd, _env, losses, metrics
+
+TIMEOUT = 300
+ITERS = 8
+COMMON = ["parallel.tp=2", f"training.train_iters={ITERS}", "checkpoint.save_interval=2",
+          "training.eval_interval=1000", "logging.log_interval=1"]
+TRACKER = "latest_checkpointed_iteration.txt"
+SEED = 20261203
+
+
+def _launch(run_dir: Path, extra=(), env_extra=None) -> subprocess.Popen:
+    env = dict(_env(), **(env_extra or {}))
+    return subprocess.Popen(_cmd(2, COMMON + [f"logging.run_dir={run_dir}", *extra]), cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"run did not end within {timeout}s:\n{out[-4000:]}")
+    return out
+
+
+def _run(run_dir: Path, extra=(), env_extra=None) -> str:
+    proc = _launch(run_dir, extra, env_extra)
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _workers(proc: subprocess.Popen) -> list:
+    import psutil
+
+    return [c for c in psutil.Process(proc.pid).children(recursive=True)
+            if "pretrain_lowrank.py" in " ".join(c.cmdline()) and c.ppid() == proc.pid]
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.time() + TIMEOUT
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before {what}:\n{proc.stdout.read()[-4000:]}")
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _logged(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _temp_dir_exists(run_dir: Path) -> bool:
+    return any((run_dir / "checkpoints").glob("iter_*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    _run(run_dir)
+    ref = losses(run_dir)
+    assert sorted(ref) == list(range(1, ITERS + 1))
+    return ref
+
+
+def _kill_point(kind: str, rng: random.Random, run_dir: Path):
+    """(predicate that fires at the kill point, environment for the run)."""
+    if kind == "after_iteration":
+        after = rng.randint(1, ITERS - 2)
+        return (lambda: _logged(run_dir) >= after), {}, f"after iteration {after}"
+    return (lambda: _temp_dir_exists(run_dir)), \
+        {"MEGATRON_BOOST_TEST_SAVE_SLEEP": "3"}, "during a checkpoint write"
+
+
+@pytest.mark.parametrize("kind,async_save", [("after_iteration", False),
+                                             ("during_save", False), ("during_save", True)])
+def test_killed_rank_relaunch_reproduces_losses(reference, tmp_path, kind, async_save):
+    rng = random.Random(f"{SEED}-{kind}-{async_save}")
+    run_dir = tmp_path / "run"
+    extra = [f"checkpoint.async_save={str(async_save).lower()}"]
+    fires, env, where = _kill_point(kind, rng, run_dir)
+    proc = _launch(run_dir, extra, env)
+    _wait_for(fires, proc, where)
+    victim = rng.choice(_workers(proc))
+    victim.send_signal(signal.SIGKILL)
+    out = _finish(proc)
+    assert proc.returncode != 0, out[-3000:]
+    tracker = run_dir / "checkpoints" / TRACKER
+    if tracker.exists():  # whatever it names is complete
+        named = run_dir / "checkpoints" / f"iter_{int(tracker.read_text()):07d}"
+        assert (named / "manifest.json").is_file() and (named / "metadata.json").is_file()
+    print(f"killed rank pid {victim.pid} {where} (async_save={async_save}); tracker: "
+          f"{tracker.read_text().strip() if tracker.exists() else 'none'}")
+    _run(run_dir, extra)
+    assert losses(run_dir) == reference
+
+
+def _model_tensors(ckpt_dir: Path, tmp_path: Path) -> dict:
+    """Every tensor of a checkpoint (weights and optimizer state) as a flat dict."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{ckpt_dir.name}.pt"
+    dcp_to_torch_save(str(ckpt_dir), str(out))
+    flat = torch.load(out, weights_only=False)
+    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def test_nonfinite_step_is_skipped_and_logged(tmp_path):
+    import torch
+
+    run_dir = tmp_path / "run"
+    out = _run(run_dir, ["checkpoint.save_interval=1"],
+               {"MEGATRON_BOOST_TEST_NAN_AT": "3:1"})
+    recs = {r["iteration"]: r for r in metrics(run_dir)}
+    assert recs[3]["skipped"] is True and recs[2]["skipped"] is False, recs[3]
+    assert "skipped" in out and "iteration 3" in out, out[-3000:]
+    before = _model_tensors(run_dir / "checkpoints" / "iter_0000002", tmp_path)
+    after = _model_tensors(run_dir / "checkpoints" / "iter_0000003", tmp_path)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    nxt = _model_tensors(run_dir / "checkpoints" / "iter_0000004", tmp_path)
+    assert any(not torch.equal(after[k], nxt[k]) for k in after)  # training went on
+
+
+def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, ["training.max_skipped_steps=2"],
+                   {"MEGATRON_BOOST_TEST_NAN_AT": "3-100:0"})
+    out = _finish(proc)
+    assert proc.returncode != 0, out[-3000:]
+    lines = [l for l in out.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "iteration 4" in lines[0] and "max_skipped_steps" in lines[0], \
+        out[-3000:]
+    saved = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*"))
+    assert saved == ["iter_0000002"], saved
+    assert (run_dir / "checkpoints" / TRACKER).read_text().strip() == "2"
+
+
+def test_unresponsive_rank_ends_the_job_in_bounded_time(tmp_path):
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    proc = _launch(run_dir, ["parallel.timeout_minutes=0.1"],
+                   {"MEGATRON_BOOST_TEST_HANG_AT": "3:1"})
+    out = _finish(proc, timeout=120)
+    elapsed = time.time() - t0
+    assert proc.returncode != 0, out[-3000:]
+    lines = [l for l in out.splitlines() if l.startswith("error:")]
+    assert lines and "rank 1" in lines[0] and "timeout_minutes" in lines[0], out[-3000:]
+    print(f"hung rank detected after {elapsed:.1f}s of wall time (timeout 6 s)")
+
+
+def _stalls(out: str) -> list:
+    return [float(line.split("training stalled ")[1].split("s")[0])
+            for line in out.splitlines() if "training stalled " in line]
+
+
+def test_save_stall_sync_vs_async(tmp_path):
+    stalls = {}
+    for async_save in (False, True):
+        out = _run(tmp_path / f"run_{async_save}", [f"checkpoint.async_save={str(async_save)
+                                                                             .lower()}"])
+        stalls[async_save] = _stalls(out)
+        assert len(stalls[async_save]) == ITERS // 2, out[-3000:]
+    print(json.dumps({"sync_stall_s": stalls[False], "async_stall_s": stalls[True]}))
+    assert sum(stalls[True]) < sum(stalls[False])
