@@ -10,8 +10,8 @@ directory is never read and is removed by the next save (:func:`prune_checkpoint
 
 Checks before any tensor is read (each a ``ValueError`` naming the file, value and rule):
 :func:`read_tracker` (a number naming an existing checkpoint), :func:`verify_manifest` (no
-missing, truncated or corrupted shard), :func:`read_common_state` (format version; loaded
-with ``torch.load(weights_only=True)``), :func:`check_tensor_shapes` (every tensor the model
+missing, truncated or corrupted shard), :func:`read_common_state` (loaded with
+``torch.load(weights_only=True)``), :func:`check_tensor_shapes` (every tensor the model
 expects exists with the same global shape; the first mismatch is named with both shapes) and
 :func:`check_architecture` (settings that change no shape: the bottleneck activation, the
 RoPE base, full-rank vs low-rank).
@@ -34,14 +34,13 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
 __all__ = [
-    "TRACKER_FILE", "MANIFEST_FILE", "CHECKPOINT_FORMAT_VERSION", "iter_dir_name",
+    "TRACKER_FILE", "MANIFEST_FILE", "iter_dir_name",
     "temp_dir_for", "read_tracker", "write_manifest", "verify_manifest", "commit_checkpoint",
     "prune_checkpoints", "read_common_state", "check_tensor_shapes", "check_architecture",
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
-CHECKPOINT_FORMAT_VERSION = 1
 _TEMP_SUFFIX = ".tmp"
 _CRC_CHUNK = 1 << 22
 # Run-config keys that change the computed function without changing any tensor's shape.
@@ -124,7 +123,7 @@ def write_manifest(ckpt_dir: Path) -> None:
         entries[str(path.relative_to(ckpt_dir))] = {"bytes": path.stat().st_size,
                                                     "crc32": _crc32(path)}
     with open(ckpt_dir / MANIFEST_FILE, "w") as f:
-        json.dump({"format_version": CHECKPOINT_FORMAT_VERSION, "files": entries}, f, indent=1)
+        json.dump({"files": entries}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -217,10 +216,6 @@ def read_common_state(ckpt_dir: Path) -> dict:
     boost = common.get("boost_state") if isinstance(common, dict) else None
     if boost is None:
         raise ValueError(f"{ckpt_dir} is not a megatron-boost checkpoint (no boost_state)")
-    version = boost.get("format_version")
-    if version != CHECKPOINT_FORMAT_VERSION:
-        raise ValueError(f"checkpoint {ckpt_dir} has format version {version}; this version "
-                         f"reads format {CHECKPOINT_FORMAT_VERSION}")
     return boost
 
 

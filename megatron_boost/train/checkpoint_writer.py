@@ -12,15 +12,11 @@ finalization once all ranks' writes are done: megatron's own (``metadata.json``,
 then our commit on rank 0. So the tracker moves only after a complete checkpoint, and a kill
 during the background write leaves it naming the previous one. At most one save is in
 flight: a new save first waits for the previous (:meth:`wait`).
-
-The stall of each save (time the training loop was blocked by it) is returned by
-:meth:`save` so the loop can log it.
 """
 
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -70,23 +66,21 @@ class CheckpointWriter:
             dist.barrier()
         return commit
 
-    def save(self, sharded_sd: dict, iteration: int) -> float:
-        """Save (or start saving) ``sharded_sd`` as iteration ``iteration``; returns the
-        seconds the caller was blocked."""
+    def save(self, sharded_sd: dict, iteration: int) -> None:
+        """Save (or start saving in the background) ``sharded_sd`` as iteration
+        ``iteration``."""
         from megatron.core import dist_checkpointing
 
-        t0 = time.perf_counter()
         self.wait()
         temp = self._prepare(iteration)
         commit = self._commit_fn(temp, iteration)
         if not self.async_save:
             dist_checkpointing.save(sharded_sd, str(temp))
             commit()
-            return time.perf_counter() - t0
+            return
         request = dist_checkpointing.save(sharded_sd, str(temp), async_sharded_save=True)
         request.add_finalize_fn(commit)
         self.queue.schedule_async_request(request)
-        return time.perf_counter() - t0
 
     def poll(self) -> None:
         """Commit finished background saves (call on every rank, every step)."""

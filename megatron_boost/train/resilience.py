@@ -24,10 +24,10 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 __all__ = ["TestHooks", "step_is_finite", "SkipBudget", "TrainingDiverged", "RankMonitor",
-           "RankTimeout", "process_group_timeout"]
+           "RankTimeout", "process_group_timeout", "is_collective_failure"]
 
 ENV_NAN_AT = "MEGATRON_BOOST_TEST_NAN_AT"
 ENV_HANG_AT = "MEGATRON_BOOST_TEST_HANG_AT"
@@ -81,9 +81,25 @@ class TestHooks:
     def _hits(spec, iteration: int, rank: int) -> bool:
         return spec is not None and spec[0] <= iteration <= spec[1] and rank == spec[2]
 
-    def poison_loss(self, loss, iteration: int, rank: int):
-        """``loss`` times NaN where the NaN hook selects this rank and iteration."""
-        return loss * float("nan") if self._hits(self.nan_at, iteration, rank) else loss
+    def wrap_forward_step(self, forward_step, iteration: Callable[[], int]):
+        """``forward_step`` whose loss is NaN where the NaN hook selects this rank and the
+        current ``iteration()``; ``forward_step`` itself without the hook."""
+        if self.nan_at is None:
+            return forward_step
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+
+        def poisoned_forward_step(data_iterator, model):
+            output, loss_func = forward_step(data_iterator, model)
+
+            def poisoned_loss(output_tensor):
+                loss, logged = loss_func(output_tensor)
+                if not self._hits(self.nan_at, iteration(), rank):
+                    return loss, logged
+                return loss * float("nan"), {k: v * float("nan") for k, v in logged.items()}
+            return output, poisoned_loss
+        return poisoned_forward_step
 
     def maybe_hang(self, iteration: int, rank: int) -> None:
         """Stop responding (sleep until killed) where the hang hook selects us."""
@@ -142,6 +158,13 @@ class SkipBudget:
 # ---------------------------------------------------------------------------------------------
 
 _MISSING_RANKS = re.compile(r"[Rr]anks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+def is_collective_failure(err: RuntimeError) -> bool:
+    """Whether ``err`` is a collective that failed (timed out, or lost its peer)."""
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistError) or "timed out" in str(err).lower()
 
 
 class RankMonitor:
