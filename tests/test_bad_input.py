@@ -201,7 +201,7 @@ def _remove(name: str):
     return damage
 
 
-DATA = ("data.mock=false", "data.tokenizer_model={tok}", "data.split=1")
+DATA = ("data.mock=false", "data.tokenizer_model={tok}", "data.split='1,0,0'")
 
 # ---------------------------------------------------------------------------------------------
 # the table
@@ -216,7 +216,7 @@ CASES = [
     Case("yaml_not_mapping", train(config="{case}/c.yaml"), ("c.yaml", "mapping of sections",
                                                               "list"),
          setup=write("c.yaml", "- model\n- parallel\n")),
-    Case("yaml_broken_syntax", train(config="{case}/c.yaml"), ("c.yaml:2", "not valid YAML"),
+    Case("yaml_broken_syntax", train(config="{case}/c.yaml"), ("c.yaml:3", "not valid YAML"),
          setup=write("c.yaml", "model:\n  hidden_size: [64\nparallel: {tp: 1}\n")),
     Case("yaml_not_text", train(config="{case}/c.yaml"), ("c.yaml", "not UTF-8"),
          setup=write("c.yaml", b"model:\n  hidden_size: \xff\xfe\n")),
@@ -272,8 +272,8 @@ CASES = [
                                                                 "hidden_size")),
     Case("groups_not_divisible_by_tp", torchrun2("parallel.tp=2", "model.num_query_groups=1"),
          ("num_query_groups", "1", "divisible"), code=None),
-    Case("rank_not_divisible_by_tp", torchrun2("parallel.tp=2", "model.attn_rank=15"),
-         ("attn_rank", "15", "divisible"), code=None),
+    Case("ffn_not_divisible_by_tp", torchrun2("parallel.tp=2", "model.ffn_hidden_size=127"),
+         ("ffn_hidden_size", "127", "divisible"), code=None),
     # -- data ------------------------------------------------------------------------------
     Case("data_prefix_missing", train(*DATA, "data.data_path=[{case}/nothing]"),
          ("nothing", ".bin")),

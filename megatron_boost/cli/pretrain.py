@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import List, Optional
 
+from megatron_boost.cli.errors import USAGE_ERROR_EXIT_CODE, print_error
 from megatron_boost.train.resilience import RankTimeout, TrainingDiverged
 
 __all__ = ["main", "parse_args", "select_device", "CONFIG_ERROR_EXIT_CODE", "FAULT_EXIT_CODE"]
 
 #: Exit status for configuration / usage errors (``error: ...`` on stderr).
-CONFIG_ERROR_EXIT_CODE = 2
+CONFIG_ERROR_EXIT_CODE = USAGE_ERROR_EXIT_CODE
 #: Exit status when training stops on a fault: too many non-finite steps, an unresponsive rank.
 FAULT_EXIT_CODE = 1
 
@@ -55,8 +55,7 @@ def _print_error(err: Exception) -> None:
     on every rank, so only global rank 0 prints them; a timeout is reported by the rank that
     saw it."""
     if isinstance(err, RankTimeout) or int(os.environ.get("RANK", "0")) == 0:
-        msg = " ".join(str(err).split()) or type(err).__name__
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+        print_error(err)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

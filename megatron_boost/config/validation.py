@@ -109,6 +109,13 @@ def _check_layout(cfg) -> None:
         raise ValueError(
             f"model.num_layers ({layers}) must be divisible by parallel.pp "
             f"({par.pp}) for an even pipeline split; change either")
+    m = cfg.model
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ValueError(
+            f"model.hidden_size ({m.hidden_size}) must be divisible by "
+            f"model.num_attention_heads ({m.num_attention_heads}) when model.kv_channels is "
+            f"null (the head dimension is hidden_size / heads); change either or set "
+            f"model.kv_channels")
     if par.vpp:
         per_stage = layers // par.pp
         if par.pp < 2 or per_stage % par.vpp:

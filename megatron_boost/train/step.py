@@ -33,13 +33,15 @@ __all__ = [
 ]
 
 
-def initialize_parallel(tp: int, pp: int, vpp: Optional[int], seed: int) -> int:
+def initialize_parallel(tp: int, pp: int, vpp: Optional[int], seed: int,
+                        timeout_minutes: float = 30.0) -> int:
     """Create megatron's process groups (torch.distributed must be initialised) and seed the
     tensor-parallel RNG tracker. Returns the data-parallel size. The world layout is checked
-    by ``config.validation.ParallelDims`` (and again by megatron itself)."""
+    by ``config.validation.ParallelDims`` (and again by megatron itself). ``timeout_minutes``
+    bounds every collective of those groups (megatron's default is 30)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp)
+        virtual_pipeline_model_parallel_size=vpp, distributed_timeout_minutes=timeout_minutes)
     model_parallel_cuda_manual_seed(seed)
     return parallel_state.get_data_parallel_world_size()
 

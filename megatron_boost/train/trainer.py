@@ -135,7 +135,8 @@ class Trainer:
         random.seed(t.seed)
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
-        self.dp = step.initialize_parallel(par.tp, par.pp, par.vpp, t.seed)
+        self.dp = step.initialize_parallel(par.tp, par.pp, par.vpp, t.seed,
+                                           par.timeout_minutes)
         init_num_microbatches_calculator(dist.get_rank(), None, t.global_batch_size,
                                          t.micro_batch_size, self.dp)
         self.num_microbatches = get_num_microbatches()
