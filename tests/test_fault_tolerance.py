@@ -38,42 +38,66 @@ TRACKER = "latest_checkpointed_iteration.txt"
 SEED = 20261203
 
 
-def _launch(run_dir: Path, extra=(), env_extra=None) -> subprocess.Popen:
-    env = dict(_env(), **(env_extra or {}))
-    return subprocess.Popen(_cmd(2, COMMON + [f"logging.run_dir={run_dir}", *extra]), cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+class Launch:
+    """One torchrun job; its output goes to a file (megatron's checkpoint helper processes of
+    a killed rank outlive it and would hold a pipe open). Leftover processes of the ranks'
+    sessions (torchrun starts each rank in its own) are killed when the job ends."""
 
+    def __init__(self, run_dir: Path, extra=(), env_extra=None):
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.log = run_dir.parent / f"{run_dir.name}-{time.time_ns()}.log"
+        env = dict(_env(), **(env_extra or {}))
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                _cmd(2, COMMON + [f"logging.run_dir={run_dir}", *extra]), cwd=ROOT, env=env,
+                stdout=out, stderr=subprocess.STDOUT)
+        self.sessions = set()
 
-def _finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"run did not end within {timeout}s:\n{out[-4000:]}")
-    return out
+    def workers(self) -> list:
+        import psutil
+
+        found = [c for c in psutil.Process(self.proc.pid).children(recursive=True)
+                 if "pretrain_lowrank.py" in " ".join(c.cmdline())
+                 and c.ppid() == self.proc.pid]
+        self.sessions |= {os.getsid(w.pid) for w in found}
+        return found
+
+    def _kill_leftovers(self) -> None:
+        import psutil
+
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) in self.sessions:
+                    p.kill()
+            except (ProcessLookupError, psutil.Error):
+                pass
+
+    def finish(self, timeout: float = TIMEOUT) -> str:
+        """Wait for the launcher; its output."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.workers()
+            self.proc.kill()
+            raise AssertionError(f"run did not end within {timeout}s:\n"
+                                 f"{self.log.read_text()[-4000:]}")
+        finally:
+            self._kill_leftovers()
+        return self.log.read_text()
 
 
 def _run(run_dir: Path, extra=(), env_extra=None) -> str:
-    proc = _launch(run_dir, extra, env_extra)
-    out = _finish(proc)
-    assert proc.returncode == 0, out[-4000:]
+    job = Launch(run_dir, extra, env_extra)
+    out = job.finish()
+    assert job.proc.returncode == 0, out[-4000:]
     return out
 
 
-def _workers(proc: subprocess.Popen) -> list:
-    import psutil
-
-    return [c for c in psutil.Process(proc.pid).children(recursive=True)
-            if "pretrain_lowrank.py" in " ".join(c.cmdline()) and c.ppid() == proc.pid]
-
-
-def _wait_for(predicate, proc: subprocess.Popen, what: str) -> None:
+def _wait_for(predicate, job: Launch, what: str) -> None:
     deadline = time.time() + TIMEOUT
     while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended before {what}:\n{proc.stdout.read()[-4000:]}")
+        if job.proc.poll() is not None:
+            raise AssertionError(f"run ended before {what}:\n{job.log.read_text()[-4000:]}")
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
 
@@ -112,12 +136,12 @@ def test_killed_rank_relaunch_reproduces_losses(reference, tmp_path, kind, async
     run_dir = tmp_path / "run"
     extra = [f"checkpoint.async_save={str(async_save).lower()}"]
     fires, env, where = _kill_point(kind, rng, run_dir)
-    proc = _launch(run_dir, extra, env)
-    _wait_for(fires, proc, where)
-    victim = rng.choice(_workers(proc))
+    job = Launch(run_dir, extra, env)
+    _wait_for(fires, job, where)
+    victim = rng.choice(job.workers())
     victim.send_signal(signal.SIGKILL)
-    out = _finish(proc)
-    assert proc.returncode != 0, out[-3000:]
+    out = job.finish()
+    assert job.proc.returncode != 0, out[-3000:]
     tracker = run_dir / "checkpoints" / TRACKER
     if tracker.exists():  # whatever it names is complete
         named = run_dir / "checkpoints" / f"iter_{int(tracker.read_text()):07d}"
@@ -158,10 +182,10 @@ def test_nonfinite_step_is_skipped_and_logged(tmp_path):
 
 def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _launch(run_dir, ["training.max_skipped_steps=2"],
-                   {"MEGATRON_BOOST_TEST_NAN_AT": "3-100:0"})
-    out = _finish(proc)
-    assert proc.returncode != 0, out[-3000:]
+    job = Launch(run_dir, ["training.max_skipped_steps=2"],
+                 {"MEGATRON_BOOST_TEST_NAN_AT": "3-100:0"})
+    out = job.finish()
+    assert job.proc.returncode != 0, out[-3000:]
     lines = [l for l in out.splitlines() if l.startswith("error:")]
     assert len(lines) == 1 and "iteration 4" in lines[0] and "max_skipped_steps" in lines[0], \
         out[-3000:]
@@ -173,11 +197,13 @@ def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
 def test_unresponsive_rank_ends_the_job_in_bounded_time(tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.time()
-    proc = _launch(run_dir, ["parallel.timeout_minutes=0.1"],
-                   {"MEGATRON_BOOST_TEST_HANG_AT": "3:1"})
-    out = _finish(proc, timeout=120)
+    job = Launch(run_dir, ["parallel.timeout_minutes=0.1"],
+                 {"MEGATRON_BOOST_TEST_HANG_AT": "3:1"})
+    # record the ranks' sessions: the hung rank is killed with the job's leftovers
+    _wait_for(lambda: len(job.workers()) == 2, job, "two ranks")
+    out = job.finish(timeout=150)
     elapsed = time.time() - t0
-    assert proc.returncode != 0, out[-3000:]
+    assert job.proc.returncode != 0, out[-3000:]
     lines = [l for l in out.splitlines() if l.startswith("error:")]
     assert lines and "rank 1" in lines[0] and "timeout_minutes" in lines[0], out[-3000:]
     print(f"hung rank detected after {elapsed:.1f}s of wall time (timeout 6 s)")
@@ -191,8 +217,8 @@ def _stalls(out: str) -> list:
 def test_save_stall_sync_vs_async(tmp_path):
     stalls = {}
     for async_save in (False, True):
-        out = _run(tmp_path / f"run_{async_save}", [f"checkpoint.async_save={str(async_save)
-                                                                             .lower()}"])
+        flag = str(async_save).lower()
+        out = _run(tmp_path / f"run_{flag}", [f"checkpoint.async_save={flag}"])
         stalls[async_save] = _stalls(out)
         assert len(stalls[async_save]) == ITERS // 2, out[-3000:]
     print(json.dumps({"sync_stall_s": stalls[False], "async_stall_s": stalls[True]}))

@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["validate_indexed_dataset"]
+__all__ = ["validate_indexed_dataset", "validate_data_files"]
 
 # Fixed part of the header: magic + version + dtype code + sequence count + document count.
 _HEADER_BYTES = 9 + 8 + 1 + 8 + 8
@@ -111,3 +111,17 @@ def validate_indexed_dataset(prefix: str, vocab_size: Optional[int] = None) -> N
                          f"together or one is truncated")
     if vocab_size is not None:
         _check_token_ids(bin_path, dtype, vocab_size)
+
+
+def validate_data_files(data_cfg, vocab_size: int) -> None:
+    """:func:`validate_indexed_dataset` for every prefix of the ``data:`` section's blends
+    (none with ``mock: true``)."""
+    from megatron_boost.data.datasets import parse_blend
+
+    if data_cfg.mock:
+        return
+    for name in ("data_path", "valid_data_path", "test_data_path"):
+        paths = getattr(data_cfg, name)
+        if paths:
+            for prefix in parse_blend(paths, f"data.{name}")[0]:
+                validate_indexed_dataset(prefix, vocab_size)

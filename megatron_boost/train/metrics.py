@@ -6,8 +6,9 @@ TensorBoard.
 ``tokens_per_s``, ``tflops`` (achieved model TFLOP/s per device, ``analysis/flops.py``),
 ``mfu`` (null without a known peak), ``tp_comm_bytes`` (bytes this rank handed to tensor-parallel
 collectives in the last step, forward and backward; docs/design.md §5), ``peak_mem_bytes``,
-``step_time_s``, ``skipped_steps`` (non-finite steps skipped in the window); evaluations add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on
-resume the records after the resumed iteration are dropped, so the file is one trajectory.
+``step_time_s``, ``skipped_steps`` (non-finite steps skipped in the window); evaluations
+add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on resume the records after the
+resumed iteration are dropped, so the file is one trajectory.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ from megatron_boost.analysis.collectives import record_collectives
 from megatron_boost.analysis.flops import flops_per_token, peak_tflops
 from megatron_boost.config.run import to_transformer_config
 from megatron_boost.config.validation import lr_decay_iterations, train_iterations
-from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch, parse_blend
-from megatron_boost.data.validation import validate_indexed_dataset
+from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
+from megatron_boost.data.validation import validate_data_files
 from megatron_boost.model.gpt import padded_vocab_size
 from megatron_boost.runtime.backends import attention_backend_for_run
 from megatron_boost.train import step
@@ -203,12 +203,7 @@ class Trainer:
         """Check the dataset files and the checkpoint to resume from (if any) against this
         model, before anything is written. Returns (checkpoint dir, its saved state) or
         (None, None)."""
-        d = self.data_cfg
-        if not d.mock:
-            for name in ("data_path", "valid_data_path", "test_data_path"):
-                if getattr(d, name):
-                    for prefix in parse_blend(getattr(d, name), f"data.{name}")[0]:
-                        validate_indexed_dataset(prefix, self.vocab)
+        validate_data_files(self.data_cfg, self.vocab)
         ck = self.cfg.checkpoint
         ckpt = find_checkpoint(ck.load or self.save_dir)
         if ck.load and ckpt is None:
