@@ -35,7 +35,7 @@ class CheckpointWriter:
     """Saves sharded state dicts under ``save_dir`` (see the module docstring)."""
 
     def __init__(self, save_dir: str, async_save: bool, keep_last: Optional[int],
-                 hooks: TestHooks):
+                 hooks: TestHooks = TestHooks()):
         self.save_dir = Path(save_dir)
         self.async_save, self.keep_last, self.hooks = async_save, keep_last, hooks
         self.queue = None

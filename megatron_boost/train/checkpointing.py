@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_boost.runtime.cpu_mode import is_cpu_mode
 from megatron_boost.train.checkpoint_guard import (
+    TRACKER_FILE,
     check_architecture,
     check_tensor_shapes,
     iter_dir_name,
@@ -36,11 +37,13 @@ from megatron_boost.train.checkpoint_guard import (
     read_tracker,
     verify_manifest,
 )
+from megatron_boost.train.checkpoint_writer import CheckpointWriter
 from megatron_boost.train.megatron_fixes import finish_optimizer_load, prepare_optimizer_load
 from megatron_boost.train.state import TrainState
 
-__all__ = ["CHECKPOINT_FORMAT_VERSION", "Resumed", "checkpoint_state_dict", "find_checkpoint",
-           "verify_checkpoint", "load_checkpoint", "check_format_version"]
+__all__ = ["TRACKER_FILE", "CHECKPOINT_FORMAT_VERSION", "Resumed", "checkpoint_state_dict",
+           "save_checkpoint", "find_checkpoint", "verify_checkpoint", "load_checkpoint",
+           "check_format_version"]
 
 #: Version of the checkpoint content; a checkpoint of another version is refused on load.
 CHECKPOINT_FORMAT_VERSION = 1
@@ -127,6 +130,15 @@ def checkpoint_state_dict(state: TrainState, ddp_chunks, optimizer, scheduler,
         "run_config": dataclasses.asdict(run_cfg),
     }
     return sd
+
+
+def save_checkpoint(save_dir: str, state: TrainState, ddp_chunks, optimizer, scheduler,
+                    run_cfg) -> str:
+    """Save and commit a checkpoint of ``state.iteration`` now (no background write, no
+    pruning), for callers outside the training loop; returns its directory."""
+    sd = checkpoint_state_dict(state, ddp_chunks, optimizer, scheduler, run_cfg)
+    CheckpointWriter(save_dir, async_save=False, keep_last=None).save(sd, state.iteration)
+    return str(Path(save_dir) / iter_dir_name(state.iteration))
 
 
 def find_checkpoint(load: Optional[str]) -> Optional[Path]:
