@@ -441,6 +441,7 @@ def test_bad_input_is_one_clear_error(case, results):
         assert proc.returncode == case.code, shown
     errors = [line for line in text.splitlines() if ERROR_LINE.match(line)]
     assert len(errors) == 1, shown
+    print(f"\n[{case.name}] exit {proc.returncode}: {errors[0]}")  # the table, with -s
     for needle in case.needles:
         assert needle in errors[0], (needle, errors[0])
     for word in case.forbid:
