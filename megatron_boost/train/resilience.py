@@ -116,24 +116,17 @@ class TestHooks:
 # ---------------------------------------------------------------------------------------------
 
 
-def _local_grads_finite(ddp_chunks) -> bool:
-    """Whether this rank's gradient buffers hold only finite values."""
-    import torch
-
-    for chunk in ddp_chunks:
-        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-            if not bool(torch.isfinite(buffer.grad_data).all()):
-                return False
-    return True
-
-
 def step_is_finite(losses: List, ddp_chunks, device) -> bool:
-    """True when every rank's micro-batch losses and gradients are finite (one all-reduce)."""
+    """True when every rank's micro-batch losses and gradient buffers are finite: one flag
+    tensor, one all-reduce (MIN over the world), one host read."""
     import torch
     import torch.distributed as dist
 
-    ok = all(bool(torch.isfinite(l).all()) for l in losses) and _local_grads_finite(ddp_chunks)
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    tensors = list(losses) + [buffer.grad_data for chunk in ddp_chunks
+                              for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+    for t in tensors:
+        flag.mul_(torch.isfinite(t).all().to(device=device, dtype=torch.int32))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
