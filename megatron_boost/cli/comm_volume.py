@@ -31,6 +31,8 @@ import sys
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
+from megatron_boost.cli.errors import one_line_errors
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-boost-comm-volume", description=__doc__,
@@ -82,6 +84,7 @@ def _measure(cfg, modes: List[str], tp: int, tokens: int, dtype: str) -> Dict[st
     return {r["mode"]: r for r in results[0]}
 
 
+@one_line_errors
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_boost.analysis.comm_report import comm_volume_report, print_report

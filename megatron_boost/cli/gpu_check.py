@@ -322,10 +322,11 @@ def _init_one_process(device: str) -> Optional[float]:
     from megatron_boost.runtime.cpu_mode import maybe_use_cpu
     from megatron_boost.runtime.devices import peak_dense_bf16_tflops
     from megatron_boost.train.distributed import init_distributed
+    from megatron_boost.train.resilience import process_group_timeout
     from megatron_boost.train.step import initialize_parallel
 
     maybe_use_cpu(device)
-    init_distributed(device)
+    init_distributed(device, process_group_timeout(30.0))  # the trainer's default
     initialize_parallel(1, 1, None, seed=1234)
     if device != "cuda":
         return None

@@ -15,6 +15,7 @@ import json
 from typing import Dict, Optional, Sequence
 
 from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.cli.errors import one_line_errors
 from megatron_boost.perf.hardware import HARDWARE, hardware
 from megatron_boost.perf.model import RECOMPUTE, Layout, predict
 from megatron_boost.perf.published import PUBLISHED_SHAPES, compare_published
@@ -109,6 +110,7 @@ def _predictions(s: Dict, modes, hw, gpus_per_node) -> list:
     return preds
 
 
+@one_line_errors
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     hw = hardware(args.gpu)

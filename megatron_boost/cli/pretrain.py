@@ -3,21 +3,27 @@
     torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/debug.yaml parallel.tp=2
     python pretrain_lowrank.py --config configs/debug.yaml        # one process, no torchrun
 
-A ``ValueError`` (configuration, data, layout) ends the process with one line,
-``error: <message>`` on stderr, and exit status 2 (``MBOOST_TRACEBACK=1`` shows the traceback).
+A ``ValueError`` (configuration, data, layout, checkpoint) ends the process with one line,
+``error: <message>`` on stderr, and exit status 2; a fault during training (too many
+consecutive non-finite steps, an unresponsive rank) with one such line and status 1
+(``MBOOST_TRACEBACK=1`` shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import List, Optional
 
-__all__ = ["main", "parse_args", "select_device", "CONFIG_ERROR_EXIT_CODE"]
+from megatron_boost.cli.errors import USAGE_ERROR_EXIT_CODE, print_error
+from megatron_boost.train.resilience import RankTimeout, TrainingDiverged
+
+__all__ = ["main", "parse_args", "select_device", "CONFIG_ERROR_EXIT_CODE", "FAULT_EXIT_CODE"]
 
 #: Exit status for configuration / usage errors (``error: ...`` on stderr).
-CONFIG_ERROR_EXIT_CODE = 2
+CONFIG_ERROR_EXIT_CODE = USAGE_ERROR_EXIT_CODE
+#: Exit status when training stops on a fault: too many non-finite steps, an unresponsive rank.
+FAULT_EXIT_CODE = 1
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -44,6 +50,14 @@ def select_device(requested: str) -> str:
         raise ValueError(str(err)) from None
 
 
+def _print_error(err: Exception) -> None:
+    """One ``error:`` line. Configuration, data and divergence errors are raised identically
+    on every rank, so only global rank 0 prints them; a timeout is reported by the rank that
+    saw it."""
+    if isinstance(err, RankTimeout) or int(os.environ.get("RANK", "0")) == 0:
+        print_error(err)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: parse, load and validate the config for this launch, train."""
     args = parse_args(argv)
@@ -56,12 +70,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         from megatron_boost.train.trainer import train
 
         return train(cfg, device)
-    except ValueError as err:
+    except (ValueError, TrainingDiverged, RankTimeout) as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise
-        msg = " ".join(str(err).split()) or type(err).__name__
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-        return CONFIG_ERROR_EXIT_CODE
+        _print_error(err)
+        return CONFIG_ERROR_EXIT_CODE if isinstance(err, ValueError) else FAULT_EXIT_CODE
     finally:
         from megatron_boost.train.distributed import shutdown
 

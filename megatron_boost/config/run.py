@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import yaml
 
+from megatron_boost.config.yaml_io import read_yaml_mapping
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
 from megatron_boost.config.validation import validate_run_config
 from megatron_boost.data.datasets import DataConfig
@@ -99,6 +99,10 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (megatron's distributed optimizer)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
+    timeout_minutes: float = 30.0
+    """Process-group timeout: a collective that waits longer (a rank died or stopped
+    responding) ends the job with an error naming the unresponsive rank. Fractions allowed
+    (0.1 = 6 s)."""
 
 
 @dataclass
@@ -126,6 +130,9 @@ class TrainingConfig:
     """Seed of the weight init and the data order."""
     device: str = "auto"
     """auto (GPU when usable), cpu (gloo + CPU mode) or cuda."""
+    max_skipped_steps: int = 10
+    """A step whose loss or gradients are not finite on any rank is skipped (no update; logged
+    with ``skipped: true``); this many consecutive skips stop the run without saving."""
 
 
 @dataclass
@@ -178,6 +185,12 @@ class CheckpointConfig:
     """Directory to resume from; null means the save directory (resume if it has one)."""
     no_load_optim: bool = False
     """Load weights only (fine-tuning, or a layout change without optimizer state)."""
+    keep_last: Optional[int] = None
+    """Keep only the newest this many complete checkpoints (the one the tracker names is never
+    removed); null keeps all."""
+    async_save: bool = False
+    """Write the shards in a background process (megatron's async dist_checkpointing) while
+    training continues; the tracker moves only once the checkpoint is complete."""
 
 
 @dataclass
@@ -290,12 +303,7 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = (),
     raw: Dict[str, Any] = {}
     where = "overrides"
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"config file '{path}' does not exist")
-        raw = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ValueError(f"config file '{path}' must hold a mapping of sections")
+        raw = read_yaml_mapping(path)
         where = f"'{path}'"
     raw = apply_overrides(raw, overrides)
     cfg = RunConfig()

@@ -11,7 +11,9 @@ The model-shape rules belong to :class:`~megatron_boost.config.transformer.Boost
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from megatron_boost.config.transformer import TPMode
@@ -20,6 +22,16 @@ from megatron_boost.runtime.backends import check_attention_backend
 __all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations"]
 
 _PRECISIONS = ("auto", "fp32", "bf16")
+# Sizes and rates that must be > 0 (checked first, so that each names its own rule rather than
+# a later rule it also breaks), and those that may be null.
+_POSITIVE = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
+             "model.num_attention_heads", "model.vocab_size", "model.seq_length",
+             "model.rank_ratio", "parallel.tp", "parallel.pp", "parallel.timeout_minutes",
+             "training.micro_batch_size", "training.global_batch_size", "optimizer.lr",
+             "training.max_skipped_steps")
+_POSITIVE_OR_NULL = ("model.num_query_groups", "model.kv_channels", "model.attn_rank",
+                     "model.mlp_rank", "parallel.vpp", "parallel.dp", "checkpoint.keep_last",
+                     "training.train_iters", "training.train_tokens")
 _RECOMPUTE = (None, "selective", "full", "lowrank")
 
 
@@ -62,6 +74,7 @@ def lr_decay_iterations(cfg) -> int:
 def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     """Check every run-level rule once. ``world_size``: the number of launched processes; None
     (a config read by a tool, whose data need not exist here) skips the launch rules."""
+    _check_positive(cfg)
     _check_layout(cfg)
     _check_modes(cfg)
     if world_size is None:
@@ -70,18 +83,39 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_launch(cfg, ParallelDims(cfg.parallel.tp, cfg.parallel.pp, world_size))
     _check_budget(cfg)
     _check_intervals(cfg)
+    _check_paths(cfg)
+
+
+def _value(cfg, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _check_positive(cfg) -> None:
+    for dotted in _POSITIVE + _POSITIVE_OR_NULL:
+        value = _value(cfg, dotted)
+        if value is None and dotted in _POSITIVE_OR_NULL:
+            continue
+        if value is None or value <= 0:
+            raise ValueError(f"{dotted} ({value}) must be positive")
+    if cfg.optimizer.min_lr < 0:
+        raise ValueError(f"optimizer.min_lr ({cfg.optimizer.min_lr}) must be >= 0")
 
 
 def _check_layout(cfg) -> None:
     par, layers = cfg.parallel, cfg.model.num_layers
     TPMode.parse(par.mode)
-    for name in ("tp", "pp"):
-        if getattr(par, name) < 1:
-            raise ValueError(f"parallel.{name} ({getattr(par, name)}) must be >= 1")
     if layers % par.pp:
         raise ValueError(
             f"model.num_layers ({layers}) must be divisible by parallel.pp "
             f"({par.pp}) for an even pipeline split; change either")
+    m = cfg.model
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ValueError(
+            f"model.hidden_size ({m.hidden_size}) must be divisible by "
+            f"model.num_attention_heads ({m.num_attention_heads}) when model.kv_channels is "
+            f"null (the head dimension is hidden_size / heads); change either or set "
+            f"model.kv_channels")
     if par.vpp:
         per_stage = layers // par.pp
         if par.pp < 2 or per_stage % par.vpp:
@@ -103,9 +137,7 @@ def _check_modes(cfg) -> None:
 
 def _check_budget(cfg) -> None:
     t, o = cfg.training, cfg.optimizer
-    if t.train_tokens is not None and t.train_tokens <= 0:
-        raise ValueError(f"training.train_tokens ({t.train_tokens}) must be positive")
-    if t.train_tokens is None and (t.train_iters is None or t.train_iters <= 0):
+    if t.train_tokens is None and t.train_iters is None:
         raise ValueError("set training.train_iters (a positive number of steps) or "
                          "training.train_tokens (a token budget)")
     decay = lr_decay_iterations(cfg)
@@ -137,11 +169,43 @@ def _check_launch(cfg, dims: ParallelDims) -> None:
             f"parallel.dp ({par.dp}) does not match the launch: world size {dims.world_size} / "
             f"(tp {dims.tp} × pp {dims.pp}) = {dims.dp}; set parallel.dp to null or {dims.dp}")
     mbs, gbs, dp = t.micro_batch_size, t.global_batch_size, dims.dp
-    if mbs < 1 or gbs < 1:
-        raise ValueError(f"training.micro_batch_size ({mbs}) and training.global_batch_size "
-                         f"({gbs}) must be >= 1")
     if gbs % (mbs * dp):
         raise ValueError(
             f"training.global_batch_size ({gbs}) must be divisible by "
             f"training.micro_batch_size × data-parallel size ({mbs} × {dp} = {mbs * dp}); "
             f"global_batch_size = micro_batch_size × dp × num_microbatches")
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_output_dir(name: str, value: str) -> None:
+    """``value`` is, or can be created as, a writable directory. Probed by creating (and
+    removing) a directory in its nearest existing ancestor: permission bits say nothing for
+    root, read-only or virtual file systems refuse the creation itself."""
+    path = Path(value).absolute()
+    existing = _nearest_existing(path)
+    if not existing.is_dir():
+        what = "is a file" if existing == path else f"is below the file {existing}"
+        raise ValueError(f"{name} '{value}' {what}, not a directory; choose another path")
+    try:
+        probe = Path(tempfile.mkdtemp(prefix=".mboost-probe-", dir=existing))
+    except OSError as err:
+        raise ValueError(f"{name} '{value}' is not writable: cannot create a directory in "
+                         f"{existing} ({err.strerror})") from None
+    probe.rmdir()
+
+
+def _check_paths(cfg) -> None:
+    """Output directories writable, and ``checkpoint.load`` present, before anything is
+    written."""
+    _check_output_dir("logging.run_dir", cfg.logging.run_dir)
+    _check_output_dir("checkpoint.save",
+                      cfg.checkpoint.save or str(Path(cfg.logging.run_dir) / "checkpoints"))
+    load = cfg.checkpoint.load
+    if load and not Path(load).is_dir():
+        raise ValueError(f"checkpoint.load '{load}' is not a directory; give a save directory "
+                         "(with latest_checkpointed_iteration.txt) or one iter_* directory")

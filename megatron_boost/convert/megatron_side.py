@@ -27,6 +27,7 @@ from megatron_boost.model.gpt import build_model, padded_vocab_size
 from megatron_boost.model.init import init_global_weights, sharded_params
 from megatron_boost.train.checkpointing import TRACKER_FILE, find_checkpoint, save_checkpoint
 from megatron_boost.train.distributed import init_distributed, shutdown
+from megatron_boost.train.resilience import process_group_timeout
 from megatron_boost.train.state import TrainState
 from megatron_boost.train.step import (
     _run_schedule,
@@ -208,7 +209,7 @@ def save_weights_as_checkpoint(cfg: RunConfig, weights: Dict[str, torch.Tensor],
 def launched_world(cfg: RunConfig, device: str) -> Iterator[torch.device]:
     """torchrun's process group (without torchrun: a world of this process) with megatron's
     groups in ``cfg``'s layout, validated for this world size; yields the batch device."""
-    init_distributed(device)
+    init_distributed(device, process_group_timeout(cfg.parallel.timeout_minutes))
     try:
         initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp,
                             cfg.training.seed)

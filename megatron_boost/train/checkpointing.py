@@ -5,37 +5,46 @@ state (``model``, or ``model0``, ``model1`` ... with vpp; the ShardedTensor keys
 checkpoints move between TP / PP / vpp layouts, docs/design.md §8), the optimizer's (distributed
 optimizer: ``fully_reshardable``, also across DP, docs/design.md §10.5), a per-rank
 ``rng_state`` and, written once, the common ``boost_state``: the :class:`TrainState`, the
-scheduler, the layout, the run configuration and the format version. The tracker file
-``latest_checkpointed_iteration.txt`` is written last, by rank 0, after every rank finished, so
-it always names a complete checkpoint.
+scheduler, the layout, the run configuration and the format version. It is written into
+``iter_0000010.tmp/`` and committed by :class:`~megatron_boost.train.checkpoint_writer.
+CheckpointWriter` (manifest, fsync, rename, then the tracker file), so the tracker always names
+a complete checkpoint. Before anything is loaded, :func:`verify_checkpoint` checks the files,
+the format and every tensor shape (:mod:`megatron_boost.train.checkpoint_guard`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_boost.runtime.cpu_mode import is_cpu_mode
+from megatron_boost.train.checkpoint_guard import (
+    TRACKER_FILE,
+    check_architecture,
+    check_tensor_shapes,
+    iter_dir_name,
+    read_common_state,
+    read_tracker,
+    verify_manifest,
+)
+from megatron_boost.train.checkpoint_writer import CheckpointWriter
 from megatron_boost.train.megatron_fixes import finish_optimizer_load, prepare_optimizer_load
 from megatron_boost.train.state import TrainState
 
-__all__ = ["TRACKER_FILE", "CHECKPOINT_FORMAT_VERSION", "Resumed", "save_checkpoint",
-           "find_checkpoint", "load_checkpoint", "check_format_version"]
+__all__ = ["TRACKER_FILE", "CHECKPOINT_FORMAT_VERSION", "Resumed", "checkpoint_state_dict",
+           "save_checkpoint", "find_checkpoint", "verify_checkpoint", "load_checkpoint",
+           "check_format_version"]
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 #: Version of the checkpoint content; a checkpoint of another version is refused on load.
 CHECKPOINT_FORMAT_VERSION = 1
 
@@ -48,10 +57,6 @@ class Resumed:
     state: TrainState
     saved_layout: dict
     rng_restored: bool
-
-
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
 
 
 def _model_keys(n_chunks: int) -> List[str]:
@@ -107,17 +112,11 @@ def _rng_sharded_object(state):
          ps.get_data_parallel_rank()), replica_id=0)
 
 
-def save_checkpoint(save_dir: str, state: TrainState, ddp_chunks, optimizer, scheduler,
-                    run_cfg) -> str:
-    """Save a complete checkpoint of ``state.iteration`` under ``<save_dir>/iter_XXXXXXX/``
-    and point the tracker file at it. Returns the checkpoint directory."""
+def checkpoint_state_dict(state: TrainState, ddp_chunks, optimizer, scheduler,
+                          run_cfg) -> dict:
+    """The sharded state dict a checkpoint of ``state.iteration`` saves (see the module
+    docstring); :class:`~megatron_boost.train.checkpoint_writer.CheckpointWriter` writes it."""
     distributed = run_cfg.parallel.use_distributed_optimizer
-    path = Path(save_dir) / iter_dir_name(state.iteration)
-    if dist.get_rank() == 0:
-        if path.exists():  # a partial save of an earlier, interrupted attempt
-            shutil.rmtree(path)
-        path.mkdir(parents=True, exist_ok=True)  # dist_checkpointing needs it (§10.4)
-    dist.barrier()
     sd = _model_sharded_state_dict(ddp_chunks)
     sd["optimizer"] = _optimizer_sharded_state_dict(optimizer, sd, distributed, False)
     sd["rng_state"] = _rng_sharded_object(_rng_state())
@@ -130,43 +129,29 @@ def save_checkpoint(save_dir: str, state: TrainState, ddp_chunks, optimizer, sch
         "use_distributed_optimizer": bool(distributed),
         "run_config": dataclasses.asdict(run_cfg),
     }
-    dist_checkpointing.save(sd, str(path))
-    dist.barrier()  # every rank's shards are on disk
-    if dist.get_rank() == 0:
-        _write_tracker(Path(save_dir), state.iteration)
-    dist.barrier()
-    return str(path)
+    return sd
 
 
-def _write_tracker(save_dir: Path, iteration: int) -> None:
-    tracker = save_dir / TRACKER_FILE
-    tmp = tracker.with_suffix(".tmp")
-    tmp.write_text(f"{iteration}\n")
-    os.replace(tmp, tracker)  # atomic: the tracker never names a half-written iteration
+def save_checkpoint(save_dir: str, state: TrainState, ddp_chunks, optimizer, scheduler,
+                    run_cfg) -> str:
+    """Save and commit a checkpoint of ``state.iteration`` now (no background write, no
+    pruning), for callers outside the training loop; returns its directory."""
+    sd = checkpoint_state_dict(state, ddp_chunks, optimizer, scheduler, run_cfg)
+    CheckpointWriter(save_dir, async_save=False, keep_last=None).save(sd, state.iteration)
+    return str(Path(save_dir) / iter_dir_name(state.iteration))
 
 
 def find_checkpoint(load: Optional[str]) -> Optional[Path]:
     """The checkpoint directory to resume from: ``load`` itself if it is a checkpoint
     (``iter_XXXXXXX``, has metadata.json), else the iteration named by its tracker file;
-    None if there is none."""
+    None if there is none. A bad tracker is a ``ValueError`` (:func:`read_tracker`)."""
     if not load:
         return None
     p = Path(load)
     if (p / "metadata.json").is_file():
         return p
-    tracker = p / TRACKER_FILE
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise ValueError(f"{tracker} does not hold an iteration number ({text!r})") from None
-    ckpt = p / iter_dir_name(iteration)
-    if not (ckpt / "metadata.json").is_file():
-        raise ValueError(f"{tracker} names iteration {iteration} but {ckpt} is not a complete "
-                         f"checkpoint")
-    return ckpt
+    iteration = read_tracker(p)
+    return None if iteration is None else p / iter_dir_name(iteration)
 
 
 def check_format_version(saved: dict, ckpt_dir) -> None:
@@ -179,9 +164,7 @@ def check_format_version(saved: dict, ckpt_dir) -> None:
 
 def _read_saved_state(ckpt_dir: Path, load_optim: bool, distributed: bool) -> dict:
     """The checkpoint's ``boost_state``, checked against this run."""
-    saved = dist_checkpointing.load_common_state_dict(str(ckpt_dir)).get("boost_state")
-    if saved is None:
-        raise ValueError(f"{ckpt_dir} is not a megatron-boost checkpoint (no boost_state)")
+    saved = read_common_state(ckpt_dir)
     check_format_version(saved, ckpt_dir)
     if load_optim and bool(saved.get("use_distributed_optimizer")) != distributed:
         raise ValueError(
@@ -191,14 +174,27 @@ def _read_saved_state(ckpt_dir: Path, load_optim: bool, distributed: bool) -> di
     return saved
 
 
-def load_checkpoint(ckpt_dir: Path, ddp_chunks, optimizer, scheduler, run_cfg) -> Resumed:
-    """Load a checkpoint written by :func:`save_checkpoint` into this (possibly different)
+def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg) -> dict:
+    """Every check that can fail before a tensor is read: files against the manifest, the
+    common state (format, optimizer kind), each model tensor's global shape, and the settings
+    that change no shape. Returns the checkpoint's ``boost_state``."""
+    verify_manifest(ckpt_dir)
+    saved = _read_saved_state(ckpt_dir, not run_cfg.checkpoint.no_load_optim,
+                              run_cfg.parallel.use_distributed_optimizer)
+    check_tensor_shapes(ckpt_dir, _model_sharded_state_dict(ddp_chunks))
+    check_architecture(ckpt_dir, saved.get("run_config", {}), dataclasses.asdict(run_cfg))
+    return saved
+
+
+def load_checkpoint(ckpt_dir: Path, saved: dict, ddp_chunks, optimizer, scheduler,
+                    run_cfg) -> Resumed:
+    """Load a checkpoint (verified by :func:`verify_checkpoint`, whose ``saved`` state it
+    takes) into this (possibly different)
     layout. The model and optimizer state reshard to any TP / PP / vpp (and, with the
     distributed optimizer, DP) layout; ``checkpoint.no_load_optim`` keeps a fresh optimizer
     state. The RNG states load only into the same layout (else the fresh seeding is kept)."""
     distributed = run_cfg.parallel.use_distributed_optimizer
     load_optim = not run_cfg.checkpoint.no_load_optim
-    saved = _read_saved_state(ckpt_dir, load_optim, distributed)
     sd = _model_sharded_state_dict(ddp_chunks)
     if load_optim:
         prepare_optimizer_load(optimizer, distributed)

@@ -12,18 +12,19 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-__all__ = ["init_distributed", "launched_by_torchrun", "shutdown", "print0", "broadcast_from_last_stage"]
+__all__ = ["init_distributed", "launched_by_torchrun", "shutdown", "print0",
+           "broadcast_from_last_stage"]
 
 
-def init_distributed(device: str) -> None:
+def init_distributed(device: str, timeout: datetime.timedelta) -> None:
     """Join the process group torchrun describes (nccl on GPU, gloo on CPU); without torchrun
-    (``python pretrain_lowrank.py``), a world of one."""
+    (``python pretrain_lowrank.py``), a world of one. ``timeout`` bounds every collective
+    (``parallel.timeout_minutes``)."""
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if dist.is_initialized():
         return
     backend = "nccl" if device == "cuda" else "gloo"
-    timeout = datetime.timedelta(minutes=30)
     if launched_by_torchrun():
         dist.init_process_group(backend, timeout=timeout)
         return

@@ -6,8 +6,9 @@ TensorBoard.
 ``tokens_per_s``, ``tflops`` (achieved model TFLOP/s per device, ``analysis/flops.py``),
 ``mfu`` (null without a known peak), ``tp_comm_bytes`` (bytes this rank handed to tensor-parallel
 collectives in the last step, forward and backward; docs/design.md §5), ``peak_mem_bytes``,
-``step_time_s``; evaluations add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on
-resume the records after the resumed iteration are dropped, so the file is one trajectory.
+``step_time_s``, ``skipped_steps`` (non-finite steps skipped in the window); evaluations
+add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on resume the records after the
+resumed iteration are dropped, so the file is one trajectory.
 """
 
 from __future__ import annotations
@@ -36,13 +37,17 @@ class LogWindow:
     seconds: float = 0.0
     tokens: int = 0
     steps: int = 0
+    skipped: int = 0
 
-    def add(self, loss: Optional[float], seconds: float, tokens: int) -> None:
-        """One step; ``loss`` is None off the last pipeline stage."""
+    def add(self, loss: Optional[float], seconds: float, tokens: int,
+            skipped: bool = False) -> None:
+        """One step; ``loss`` is None off the last pipeline stage. A skipped (non-finite) step
+        is counted, its loss is left out of the mean."""
         self.seconds += seconds
         self.tokens += tokens
         self.steps += 1
-        if loss is not None:
+        self.skipped += int(skipped)
+        if loss is not None and not skipped:
             self.loss_sum += loss
             self.loss_count += 1
 

@@ -33,13 +33,15 @@ __all__ = [
 ]
 
 
-def initialize_parallel(tp: int, pp: int, vpp: Optional[int], seed: int) -> int:
+def initialize_parallel(tp: int, pp: int, vpp: Optional[int], seed: int,
+                        timeout_minutes: float = 30.0) -> int:
     """Create megatron's process groups (torch.distributed must be initialised) and seed the
     tensor-parallel RNG tracker. Returns the data-parallel size. The world layout is checked
-    by ``config.validation.ParallelDims`` (and again by megatron itself)."""
+    by ``config.validation.ParallelDims`` (and again by megatron itself). ``timeout_minutes``
+    bounds every collective of those groups (megatron's default is 30)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp)
+        virtual_pipeline_model_parallel_size=vpp, distributed_timeout_minutes=timeout_minutes)
     model_parallel_cuda_manual_seed(seed)
     return parallel_state.get_data_parallel_world_size()
 
@@ -147,10 +149,13 @@ def _mean_loss(losses) -> Optional[float]:
 
 
 def train_step(forward_step, data_iterators, ddp_chunks, optimizer, num_microbatches: int,
-               seq_length: int, micro_batch_size: int) -> dict:
+               seq_length: int, micro_batch_size: int,
+               step_is_finite: Optional[Callable[[List[dict]], bool]] = None) -> dict:
     """One optimizer step over ``num_microbatches`` micro-batches per DP rank.
 
-    Returns loss (mean over the global batch; None off the last pipeline stage) and grad_norm.
+    Returns loss (mean over the global batch; None off the last pipeline stage), grad_norm and
+    skipped. ``step_is_finite(losses)`` (every rank calls it; it must agree across ranks)
+    returning False skips the optimizer step: parameters and optimizer state stay untouched.
     The caller steps the learning-rate scheduler (before the step: iteration k runs at
     scheduler step k)."""
     for m in ddp_chunks:
@@ -158,8 +163,10 @@ def train_step(forward_step, data_iterators, ddp_chunks, optimizer, num_microbat
     optimizer.zero_grad()
     losses = _run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches,
                            seq_length, micro_batch_size, forward_only=False)
+    if step_is_finite is not None and not step_is_finite(losses):
+        return {"loss": _mean_loss(losses), "grad_norm": None, "skipped": True}
     _, grad_norm, _ = optimizer.step()
-    return {"loss": _mean_loss(losses),
+    return {"loss": _mean_loss(losses), "skipped": False,
             "grad_norm": None if grad_norm is None else float(grad_norm)}
 
 

@@ -45,14 +45,17 @@ from megatron_boost.analysis.flops import flops_per_token, peak_tflops
 from megatron_boost.config.run import to_transformer_config
 from megatron_boost.config.validation import lr_decay_iterations, train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
+from megatron_boost.data.validation import validate_data_files
 from megatron_boost.model.gpt import padded_vocab_size
 from megatron_boost.runtime.backends import attention_backend_for_run
 from megatron_boost.train import step
+from megatron_boost.train.checkpoint_guard import TRACKER_FILE, iter_dir_name
+from megatron_boost.train.checkpoint_writer import CheckpointWriter
 from megatron_boost.train.checkpointing import (
-    TRACKER_FILE,
+    checkpoint_state_dict,
     find_checkpoint,
     load_checkpoint,
-    save_checkpoint,
+    verify_checkpoint,
 )
 from megatron_boost.train.distributed import broadcast_from_last_stage, init_distributed, print0
 from megatron_boost.train.metrics import (
@@ -62,6 +65,14 @@ from megatron_boost.train.metrics import (
     format_validation_line,
     peak_memory_bytes,
     validation_perplexity,
+)
+from megatron_boost.train.resilience import (
+    RankMonitor,
+    SkipBudget,
+    TestHooks,
+    is_collective_failure,
+    process_group_timeout,
+    step_is_finite,
 )
 from megatron_boost.train.preemption import (
     PREEMPT_EXIT_CODE,
@@ -79,7 +90,7 @@ def train(cfg, device: str) -> int:
     """Run (or resume) the training of ``cfg``, a RunConfig validated for this launch
     (``RunConfig.validate(world_size)``), on ``device`` ('cuda' or 'cpu'). Returns the exit
     status."""
-    init_distributed(device)
+    init_distributed(device, process_group_timeout(cfg.parallel.timeout_minutes))
     install_signal_handlers()
     try:
         return Trainer(cfg, device).train()
@@ -88,8 +99,9 @@ def train(cfg, device: str) -> int:
 
 
 class Trainer:
-    """One run: set up in the constructor (process groups, model, optimizer, resume, data),
-    then :meth:`train`."""
+    """One run: set up in the constructor (process groups, model, optimizer, checks of the
+    checkpoint and data files, then the run directory, resume, data), then :meth:`train`.
+    Nothing is written before every input has been checked."""
 
     def __init__(self, cfg, device: str):
         self.cfg, self.device = cfg, device
@@ -97,10 +109,18 @@ class Trainer:
         self.train_iters = train_iterations(cfg)
         self.dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
             else torch.device("cpu")
+        self.hooks = TestHooks.from_env()
+        self.monitor = RankMonitor(process_group_timeout(cfg.parallel.timeout_minutes))
+        self.skips = SkipBudget(cfg.training.max_skipped_steps)
         self._init_parallel()
-        self._prepare_run_dir()
+        self.run_dir = Path(cfg.logging.run_dir)
+        self.save_dir = cfg.checkpoint.save or str(self.run_dir / "checkpoints")
         self._build_model()
-        self.state, self.last_saved = self._resume()
+        resume_from = self._check_inputs()
+        self._prepare_run_dir()
+        self.writer = CheckpointWriter(self.save_dir, cfg.checkpoint.async_save,
+                                       cfg.checkpoint.keep_last, self.hooks)
+        self.state, self.last_saved = self._resume(*resume_from)
         self._build_data()
         self.flops_per_token = flops_per_token(cfg, cfg.parallel.mode,
                                                vocab_size=self.padded_vocab)
@@ -115,15 +135,14 @@ class Trainer:
         random.seed(t.seed)
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
-        self.dp = step.initialize_parallel(par.tp, par.pp, par.vpp, t.seed)
+        self.dp = step.initialize_parallel(par.tp, par.pp, par.vpp, t.seed,
+                                           par.timeout_minutes)
         init_num_microbatches_calculator(dist.get_rank(), None, t.global_batch_size,
                                          t.micro_batch_size, self.dp)
         self.num_microbatches = get_num_microbatches()
 
     def _prepare_run_dir(self) -> None:
         cfg = self.cfg
-        self.run_dir = Path(cfg.logging.run_dir)
-        self.save_dir = cfg.checkpoint.save or str(self.run_dir / "checkpoints")
         if dist.get_rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             Path(self.save_dir).mkdir(parents=True, exist_ok=True)
@@ -180,23 +199,33 @@ class Trainer:
                f"{self.num_microbatches} micro-batches | {self.train_iters} iterations "
                f"({self.train_iters * gbs * seq:,} tokens)")
 
-    def _resume(self):
-        """The training state and the last saved iteration: from the checkpoint to resume
-        from, if any, else a fresh start."""
+    def _check_inputs(self):
+        """Check the dataset files and the checkpoint to resume from (if any) against this
+        model, before anything is written. Returns (checkpoint dir, its saved state) or
+        (None, None)."""
+        validate_data_files(self.data_cfg, self.vocab)
         ck = self.cfg.checkpoint
         ckpt = find_checkpoint(ck.load or self.save_dir)
         if ck.load and ckpt is None:
             raise ValueError(f"checkpoint.load '{ck.load}' holds no checkpoint "
                              f"(no {TRACKER_FILE} and no metadata.json)")
         if ckpt is None:
+            return None, None
+        return ckpt, verify_checkpoint(ckpt, self.model, self.cfg)
+
+    def _resume(self, ckpt, saved):
+        """The training state and the last saved iteration: from the verified checkpoint
+        ``ckpt``, if any, else a fresh start."""
+        if ckpt is None:
             return TrainState(), None
         t0 = time.perf_counter()
-        resumed = load_checkpoint(ckpt, self.model, self.optimizer, self.scheduler, self.cfg)
+        resumed = load_checkpoint(ckpt, saved, self.model, self.optimizer, self.scheduler,
+                                  self.cfg)
         s, lay = resumed.state, resumed.saved_layout
         print0(f"resumed from {ckpt} at iteration {s.iteration} ({s.consumed_samples} samples "
                f"consumed; saved layout tp={lay.get('tp')} pp={lay.get('pp')} "
                f"vpp={lay.get('vpp')} dp={lay.get('dp')}; optimizer state "
-               f"{'not ' if ck.no_load_optim else ''}loaded; rng "
+               f"{'not ' if self.cfg.checkpoint.no_load_optim else ''}loaded; rng "
                f"{'restored' if resumed.rng_restored else 'reseeded (layout changed)'}"
                f") in {time.perf_counter() - t0:.1f}s")
         return s, s.iteration
@@ -211,6 +240,8 @@ class Trainer:
         if self.valid_ds is None or len(self.valid_ds) == 0:
             self.eval_iters = 0
         self.forward_step = step.make_forward_step(self._batch_on_device)
+        self.train_forward_step = self.hooks.wrap_forward_step(
+            self.forward_step, lambda: self.state.iteration + 1)
         self.train_iterators = self._iterators(self.train_ds, self.state.consumed_samples, None,
                                                self.data_cfg.num_workers)
         self.metrics = MetricsWriter(self.run_dir, self.cfg.logging.tensorboard,
@@ -237,10 +268,16 @@ class Trainer:
             while self.state.iteration < self.train_iters:
                 out = self.train_step()
                 self.training_log(out)
+                self.skips.record(out["skipped"], self.state.iteration)
                 if self.checkpoint_and_decide_exit():
                     return PREEMPT_EXIT_CODE
             if self.state.iteration > start and self.last_saved != self.state.iteration:
                 self.save()
+            self.writer.close()
+        except RuntimeError as err:
+            if is_collective_failure(err):  # a rank died or hangs: say which, within the timeout
+                raise self.monitor.explain(err, self.state.iteration + 1) from None
+            raise
         finally:
             self.metrics.close()
         self.print_summary()
@@ -248,20 +285,30 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step; returns loss, grad_norm, lr and tp_comm_bytes of the step."""
-        t = self.cfg.training
+        t, it = self.cfg.training, self.state.iteration + 1
+        self.writer.poll()  # commit a finished background save
+        self.hooks.maybe_hang(it, dist.get_rank())
         self.scheduler.step(1)  # iteration k runs at scheduler step k
         lr = float(self.optimizer.param_groups[0]["lr"])
         self._synchronize()
         t0 = time.perf_counter()
         with record_collectives(ps.get_tensor_model_parallel_group()) as comm_log:
-            out = step.train_step(self.forward_step, self.train_iterators, self.model,
+            out = step.train_step(self.train_forward_step, self.train_iterators, self.model,
                                   self.optimizer, self.num_microbatches,
-                                  self.cfg.model.seq_length, t.micro_batch_size)
+                                  self.cfg.model.seq_length, t.micro_batch_size,
+                                  step_is_finite=self._step_is_finite)
         self._synchronize()
         self.window.add(out["loss"], time.perf_counter() - t0,
-                        t.global_batch_size * self.cfg.model.seq_length)
+                        t.global_batch_size * self.cfg.model.seq_length, out["skipped"])
         self.state.advance(t.global_batch_size)
+        if out["skipped"]:
+            print0(f"iteration {it}: loss or gradients not finite on some rank; step skipped "
+                   f"(parameters and optimizer state unchanged; {self.skips.consecutive + 1} "
+                   f"consecutive, training.max_skipped_steps={self.skips.limit})")
         return {**out, "lr": lr, "tp_comm_bytes": comm_log.bytes()}
+
+    def _step_is_finite(self, losses) -> bool:
+        return step_is_finite([l["lm loss"] for l in losses], self.model, self.dev)
 
     def _synchronize(self) -> None:
         if self.device == "cuda":
@@ -297,6 +344,7 @@ class Trainer:
             "tp_comm_bytes": out["tp_comm_bytes"],
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "step_time_s": self.window.step_time_s(),
+            "skipped_steps": self.window.skipped,
         }
 
     def evaluate_and_record(self, record: dict) -> str:
@@ -327,16 +375,22 @@ class Trainer:
             return False
         if self.last_saved != it:
             self.save()
+        self.writer.close()  # the checkpoint is committed before the process exits
         print0(f"pre-emption signal received, checkpoint saved at iteration {it} "
                f"({signal_name()}; exiting with status {PREEMPT_EXIT_CODE})")
         return True
 
     def save(self) -> None:
+        """Save this iteration (in the background with ``checkpoint.async_save``); logs how
+        long training was stalled by it."""
         t0 = time.perf_counter()
-        path = save_checkpoint(self.save_dir, self.state, self.model, self.optimizer,
-                               self.scheduler, self.cfg)
+        sd = checkpoint_state_dict(self.state, self.model, self.optimizer, self.scheduler,
+                                   self.cfg)
+        self.writer.save(sd, self.state.iteration)
         self.last_saved = self.state.iteration
-        print0(f"saved checkpoint {path} in {time.perf_counter() - t0:.1f}s")
+        how = "started saving" if self.cfg.checkpoint.async_save else "saved"
+        print0(f"{how} checkpoint {self.save_dir}/{iter_dir_name(self.state.iteration)} "
+               f"(training stalled {time.perf_counter() - t0:.3f}s)")
 
     def print_summary(self) -> None:
         s, seq = self.state, self.cfg.model.seq_length

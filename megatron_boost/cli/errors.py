@@ -1,0 +1,35 @@
+"""One ``error: <message>`` line instead of a traceback, for every command-line entry point."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+__all__ = ["USAGE_ERROR_EXIT_CODE", "print_error", "one_line_errors"]
+
+#: Exit status for usage / configuration / input errors (argparse uses the same).
+USAGE_ERROR_EXIT_CODE = 2
+
+
+def print_error(err: BaseException) -> None:
+    """``error: <message>`` on stderr, the message on one line."""
+    msg = " ".join(str(err).split()) or type(err).__name__
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+def one_line_errors(main: Callable[[Optional[Sequence[str]]], int]):
+    """Wrap a tool's ``main(argv)``: a ``ValueError`` (bad configuration or input) is reported
+    by :func:`print_error` with exit status 2; ``MBOOST_TRACEBACK=1`` re-raises it instead."""
+
+    @functools.wraps(main)
+    def wrapped(argv: Optional[Sequence[str]] = None) -> int:
+        try:
+            return main(argv)
+        except ValueError as err:
+            if os.environ.get("MBOOST_TRACEBACK"):
+                raise
+            print_error(err)
+            return USAGE_ERROR_EXIT_CODE
+    return wrapped

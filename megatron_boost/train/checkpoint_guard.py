@@ -1,0 +1,263 @@
+"""Crash-consistent checkpoint directories and the checks made before a checkpoint is read.
+
+Commit protocol (:func:`commit_checkpoint`): every rank writes its shards into
+``<save>/iter_XXXXXXX.tmp/``; once all have finished, rank 0 writes ``manifest.json`` (the
+size and CRC-32 of every file), fsyncs every file and the directory, renames the directory to
+``iter_XXXXXXX`` (atomic on one file system), fsyncs ``<save>`` and only then replaces
+``latest_checkpointed_iteration.txt`` (temp file, fsync, ``os.replace``, fsync). A crash at
+any point leaves the tracker naming the previous complete checkpoint; a leftover ``.tmp``
+directory is never read and is removed by the next save (:func:`prune_checkpoints`).
+
+Checks before any tensor is read (each a ``ValueError`` naming the file, value and rule):
+:func:`read_tracker` (a number naming an existing checkpoint), :func:`verify_manifest` (no
+missing, truncated or corrupted shard), :func:`read_common_state` (loaded with
+``torch.load(weights_only=True)``), :func:`check_tensor_shapes` (every tensor the model
+expects exists with the same global shape; the first mismatch is named with both shapes) and
+:func:`check_architecture` (settings that change no shape: the bottleneck activation, the
+RoPE base, full-rank vs low-rank).
+
+Safe loading: megatron-core 0.16.1 reads ``common.pt`` and the sharded objects (RNG state)
+with ``torch.load`` without a ``weights_only`` argument, i.e. torch's default, which is
+``weights_only=True`` since torch 2.6 unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set;
+:func:`read_common_state` refuses that override. The shards' ``.metadata`` is a pickle read by
+torch.distributed.checkpoint: a checkpoint is trusted input, and the manifest checksum only
+detects corruption, not tampering.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+__all__ = [
+    "TRACKER_FILE", "MANIFEST_FILE", "iter_dir_name",
+    "temp_dir_for", "read_tracker", "write_manifest", "verify_manifest", "commit_checkpoint",
+    "prune_checkpoints", "read_common_state", "check_tensor_shapes", "check_architecture",
+]
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "manifest.json"
+_TEMP_SUFFIX = ".tmp"
+_CRC_CHUNK = 1 << 22
+# Run-config keys that change the computed function without changing any tensor's shape.
+_SHAPELESS_ARCH_KEYS = ("model.bottleneck_activation", "model.mlp_gate_activation",
+                        "model.rotary_base")
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def temp_dir_for(final: Path) -> Path:
+    return final.with_name(final.name + _TEMP_SUFFIX)
+
+
+# ---------------------------------------------------------------------------------------------
+# tracker
+# ---------------------------------------------------------------------------------------------
+
+
+def read_tracker(save_dir: Path) -> Optional[int]:
+    """The iteration named by ``<save_dir>/latest_checkpointed_iteration.txt``; None without a
+    tracker. ``ValueError`` when it holds no number or names a missing checkpoint."""
+    tracker = Path(save_dir) / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text(errors="replace").strip()
+    if not text.isdigit():
+        raise ValueError(f"checkpoint tracker {tracker} holds {text[:40]!r}, not an iteration "
+                         f"number; fix or delete it (the iter_* directories are kept)")
+    iteration = int(text)
+    ckpt = Path(save_dir) / iter_dir_name(iteration)
+    if not (ckpt / "metadata.json").is_file():
+        raise ValueError(f"checkpoint tracker {tracker} names iteration {iteration} but {ckpt} "
+                         f"is missing or incomplete; point it at a complete iter_* directory")
+    return iteration
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_tracker(save_dir: Path, iteration: int) -> None:
+    tracker = save_dir / TRACKER_FILE
+    tmp = tracker.with_name(TRACKER_FILE + _TEMP_SUFFIX)
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, tracker)
+    _fsync_path(save_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest (size + CRC-32 of every file)
+# ---------------------------------------------------------------------------------------------
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CRC_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(ckpt_dir: Path) -> List[Path]:
+    return sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def write_manifest(ckpt_dir: Path) -> None:
+    """Record every file's size and CRC-32 in ``manifest.json`` (fsyncing each file)."""
+    entries = {}
+    for path in _files(ckpt_dir):
+        _fsync_path(path)
+        entries[str(path.relative_to(ckpt_dir))] = {"bytes": path.stat().st_size,
+                                                    "crc32": _crc32(path)}
+    with open(ckpt_dir / MANIFEST_FILE, "w") as f:
+        json.dump({"files": entries}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verify_manifest(ckpt_dir: Path) -> None:
+    """``ValueError`` naming the first missing, truncated or corrupted file of a checkpoint."""
+    path = Path(ckpt_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise ValueError(f"checkpoint {ckpt_dir} has no {MANIFEST_FILE}: it was not committed "
+                         f"by megatron-boost (or is from an older version); cannot verify it")
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"checkpoint manifest {path} is corrupt (not the JSON it wrote)") \
+            from None
+    for name, want in files.items():
+        f = Path(ckpt_dir) / name
+        if not f.is_file():
+            raise ValueError(f"checkpoint file {f} is missing (listed in {MANIFEST_FILE})")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise ValueError(f"checkpoint file {f} is {size} bytes, {want['bytes']} were "
+                             f"written: it is truncated or was replaced")
+        if _crc32(f) != want["crc32"]:
+            raise ValueError(f"checkpoint file {f} fails its CRC-32 check: it is corrupted")
+
+
+# ---------------------------------------------------------------------------------------------
+# commit and pruning
+# ---------------------------------------------------------------------------------------------
+
+
+def commit_checkpoint(temp: Path, final: Path, iteration: int) -> None:
+    """Rank 0, after every rank's shards are in ``temp``: manifest, fsync, rename, tracker."""
+    write_manifest(temp)
+    _fsync_path(temp)
+    if final.exists():  # the same iteration saved again (e.g. a rerun): replace it whole
+        shutil.rmtree(final)
+    os.rename(temp, final)
+    _fsync_path(final.parent)
+    _write_tracker(final.parent, iteration)
+
+
+def _complete_iterations(save_dir: Path) -> List[int]:
+    its = []
+    for p in save_dir.glob("iter_*"):
+        suffix = p.name[len("iter_"):]
+        if p.is_dir() and suffix.isdigit() and (p / MANIFEST_FILE).is_file():
+            its.append(int(suffix))
+    return sorted(its)
+
+
+def prune_checkpoints(save_dir: Path, keep_last: Optional[int]) -> List[Path]:
+    """Remove leftover temp directories and all but the newest ``keep_last`` complete
+    checkpoints (None keeps all). The one the tracker names is never removed. Rank 0 only."""
+    removed = [p for p in save_dir.glob(f"iter_*{_TEMP_SUFFIX}") if p.is_dir()]
+    if keep_last is not None:
+        tracked = read_tracker(save_dir)
+        its = _complete_iterations(save_dir)
+        keep = set(its[-keep_last:]) | {tracked}
+        removed += [save_dir / iter_dir_name(i) for i in its if i not in keep]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# content checks
+# ---------------------------------------------------------------------------------------------
+
+
+def read_common_state(ckpt_dir: Path) -> dict:
+    """The ``boost_state`` of a checkpoint, read with ``torch.load(weights_only=True)``."""
+    import pickle
+
+    import torch
+
+    if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0") not in ("", "0"):
+        raise ValueError("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: megatron would unpickle "
+                         "checkpoint objects without restriction; unset it to resume")
+    path = Path(ckpt_dir) / "common.pt"
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {ckpt_dir} has no common.pt; not a dist checkpoint") \
+            from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        raise ValueError(f"checkpoint file {path} cannot be read safely "
+                         f"({' '.join(str(err).split())[:160]})") from None
+    boost = common.get("boost_state") if isinstance(common, dict) else None
+    if boost is None:
+        raise ValueError(f"{ckpt_dir} is not a megatron-boost checkpoint (no boost_state)")
+    return boost
+
+
+def _expected_tensors(sharded_sd: dict) -> Iterable:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return (v for v in nested_values(sharded_sd) if isinstance(v, ShardedTensor))
+
+
+def check_tensor_shapes(ckpt_dir: Path, sharded_sd: dict) -> None:
+    """Every ShardedTensor of ``sharded_sd`` must exist in the checkpoint with the same global
+    shape; ``ValueError`` names the first that does not, with both shapes."""
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    for sh in _expected_tensors(sharded_sd):
+        if sh.key not in saved:
+            raise ValueError(f"checkpoint {ckpt_dir} has no tensor '{sh.key}' (this model "
+                             f"needs shape {tuple(sh.global_shape)}): another architecture "
+                             f"or mode; check model.* and parallel.mode")
+        have = tuple(saved[sh.key].global_shape)
+        if have != tuple(sh.global_shape):
+            raise ValueError(f"checkpoint tensor '{sh.key}' has shape {have}, this model's is "
+                             f"{tuple(sh.global_shape)}: another architecture or rank; check "
+                             f"model.* against the checkpoint's config")
+
+
+def _lookup(cfg: Dict, dotted: str):
+    section, key = dotted.split(".")
+    return cfg.get(section, {}).get(key)
+
+
+def check_architecture(ckpt_dir: Path, saved_cfg: Dict, current_cfg: Dict) -> None:
+    """Settings that change the model without changing a shape must match the checkpoint."""
+    for dotted in _SHAPELESS_ARCH_KEYS:
+        have, want = _lookup(saved_cfg, dotted), _lookup(current_cfg, dotted)
+        if have != want:
+            raise ValueError(f"checkpoint {ckpt_dir} was trained with {dotted}={have!r}, this "
+                             f"run sets {want!r}; the weights would compute another function")
+    lowrank = [_lookup(c, "parallel.mode") != "full" for c in (saved_cfg, current_cfg)]
+    if lowrank[0] != lowrank[1]:
+        raise ValueError(f"checkpoint {ckpt_dir} is a {'low-rank' if lowrank[0] else 'full'}"
+                         f" model (parallel.mode={_lookup(saved_cfg, 'parallel.mode')!r}); "
+                         f"this run sets parallel.mode={_lookup(current_cfg, 'parallel.mode')!r}")

@@ -1,0 +1,98 @@
+"""Writing checkpoints, synchronously or in the background, always through the commit protocol
+of :mod:`megatron_boost.train.checkpoint_guard`.
+
+Synchronous (``checkpoint.async_save: false``): ``dist_checkpointing.save`` into the temp
+directory, then rank 0 commits (manifest, fsync, rename, tracker) while the others wait.
+
+Asynchronous (``checkpoint.async_save: true``): ``dist_checkpointing.save(...,
+async_sharded_save=True)`` writes the common state, stages the shards and returns megatron's
+``AsyncRequest``; megatron's ``AsyncCallsQueue`` writes the shards in a background process
+while training continues. :meth:`CheckpointWriter.poll` (every step, on every rank) runs the
+finalization once all ranks' writes are done: megatron's own (``metadata.json``, a barrier),
+then our commit on rank 0. So the tracker moves only after a complete checkpoint, and a kill
+during the background write leaves it naming the previous one. At most one save is in
+flight: a new save first waits for the previous (:meth:`wait`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+from megatron_boost.train.checkpoint_guard import (
+    commit_checkpoint,
+    iter_dir_name,
+    prune_checkpoints,
+    temp_dir_for,
+)
+from megatron_boost.train.resilience import TestHooks
+
+__all__ = ["CheckpointWriter"]
+
+
+class CheckpointWriter:
+    """Saves sharded state dicts under ``save_dir`` (see the module docstring)."""
+
+    def __init__(self, save_dir: str, async_save: bool, keep_last: Optional[int],
+                 hooks: TestHooks = TestHooks()):
+        self.save_dir = Path(save_dir)
+        self.async_save, self.keep_last, self.hooks = async_save, keep_last, hooks
+        self.queue = None
+        if async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+
+    def _prepare(self, iteration: int) -> Path:
+        import torch.distributed as dist
+
+        temp = temp_dir_for(self.save_dir / iter_dir_name(iteration))
+        if dist.get_rank() == 0:
+            if temp.exists():  # the leftover of an interrupted save
+                shutil.rmtree(temp)
+            temp.mkdir(parents=True)
+        dist.barrier()
+        return temp
+
+    def _commit_fn(self, temp: Path, iteration: int):
+        def commit():
+            import torch.distributed as dist
+
+            self.hooks.before_commit()
+            if dist.get_rank() == 0:
+                commit_checkpoint(temp, self.save_dir / iter_dir_name(iteration), iteration)
+                prune_checkpoints(self.save_dir, self.keep_last)
+            dist.barrier()
+        return commit
+
+    def save(self, sharded_sd: dict, iteration: int) -> None:
+        """Save (or start saving in the background) ``sharded_sd`` as iteration
+        ``iteration``."""
+        from megatron.core import dist_checkpointing
+
+        self.wait()
+        temp = self._prepare(iteration)
+        commit = self._commit_fn(temp, iteration)
+        if not self.async_save:
+            dist_checkpointing.save(sharded_sd, str(temp))
+            commit()
+            return
+        request = dist_checkpointing.save(sharded_sd, str(temp), async_sharded_save=True)
+        request.add_finalize_fn(commit)
+        self.queue.schedule_async_request(request)
+
+    def poll(self) -> None:
+        """Commit finished background saves (call on every rank, every step)."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Block until every background save is committed."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.wait()
+            self.queue.close()

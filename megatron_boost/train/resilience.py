@@ -1,0 +1,192 @@
+"""Faults during training: non-finite steps, unresponsive ranks, and the hooks that test them.
+
+* Non-finite steps: :func:`step_is_finite` is one all-reduce (MIN over the world) of "this
+  rank's loss and gradients are finite"; a step any rank flags is skipped by every rank (no
+  optimizer step: parameters, Adam moments and step counts are untouched). The iteration and
+  the data position still advance (the batch is consumed, the LR schedule is a function of
+  the iteration). :class:`SkipBudget` stops the run at the ``training.max_skipped_steps``-th
+  consecutive skip with :class:`TrainingDiverged`, naming the iteration.
+* Unresponsive ranks: the process groups are created with ``parallel.timeout_minutes``; when a
+  collective times out, :class:`RankMonitor` runs ``torch.distributed.monitored_barrier`` on a
+  separate gloo group of its own (the default group may be unusable after the timeout), which
+  reports the ranks that never arrived, and raises :class:`RankTimeout` naming them.
+* Test hooks (environment variables, read once; unset in normal runs):
+  ``MEGATRON_BOOST_TEST_NAN_AT=<first>[-<last>]:<rank>`` makes that rank's loss NaN at those
+  iterations; ``MEGATRON_BOOST_TEST_HANG_AT=<iteration>:<rank>`` makes that rank stop
+  responding before that iteration; ``MEGATRON_BOOST_TEST_SAVE_SLEEP=<seconds>`` sleeps after
+  the shards are written and before the checkpoint is committed (a window to kill a rank in).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+__all__ = ["TestHooks", "step_is_finite", "SkipBudget", "TrainingDiverged", "RankMonitor",
+           "RankTimeout", "process_group_timeout", "is_collective_failure"]
+
+ENV_NAN_AT = "MEGATRON_BOOST_TEST_NAN_AT"
+ENV_HANG_AT = "MEGATRON_BOOST_TEST_HANG_AT"
+ENV_SAVE_SLEEP = "MEGATRON_BOOST_TEST_SAVE_SLEEP"
+_SPEC = re.compile(r"^(\d+)(?:-(\d+))?:(\d+)$")
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive non-finite steps."""
+
+
+class RankTimeout(RuntimeError):
+    """A collective timed out because some rank stopped responding."""
+
+
+def process_group_timeout(minutes: float) -> datetime.timedelta:
+    """``parallel.timeout_minutes`` as the timedelta ``init_process_group`` takes."""
+    return datetime.timedelta(seconds=minutes * 60.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# test hooks
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_spec(name: str) -> Optional[Tuple[int, int, int]]:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    match = _SPEC.match(text)
+    if match is None:
+        raise ValueError(f"{name}={text!r} must look like <iteration>[-<last>]:<rank>")
+    first, last, rank = match.groups()
+    return int(first), int(last or first), int(rank)
+
+
+@dataclass(frozen=True)
+class TestHooks:
+    """Fault injection for the fault-tolerance tests (see the module docstring)."""
+
+    nan_at: Optional[Tuple[int, int, int]] = None
+    hang_at: Optional[Tuple[int, int, int]] = None
+    save_sleep_s: float = 0.0
+
+    @classmethod
+    def from_env(cls) -> "TestHooks":
+        return cls(_parse_spec(ENV_NAN_AT), _parse_spec(ENV_HANG_AT),
+                   float(os.environ.get(ENV_SAVE_SLEEP, "0") or 0))
+
+    @staticmethod
+    def _hits(spec, iteration: int, rank: int) -> bool:
+        return spec is not None and spec[0] <= iteration <= spec[1] and rank == spec[2]
+
+    def wrap_forward_step(self, forward_step, iteration: Callable[[], int]):
+        """``forward_step`` whose loss is NaN where the NaN hook selects this rank and the
+        current ``iteration()``; ``forward_step`` itself without the hook."""
+        if self.nan_at is None:
+            return forward_step
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+
+        def poisoned_forward_step(data_iterator, model):
+            output, loss_func = forward_step(data_iterator, model)
+
+            def poisoned_loss(output_tensor):
+                loss, logged = loss_func(output_tensor)
+                if not self._hits(self.nan_at, iteration(), rank):
+                    return loss, logged
+                return loss * float("nan"), {k: v * float("nan") for k, v in logged.items()}
+            return output, poisoned_loss
+        return poisoned_forward_step
+
+    def maybe_hang(self, iteration: int, rank: int) -> None:
+        """Stop responding (sleep until killed) where the hang hook selects us."""
+        while self._hits(self.hang_at, iteration, rank):
+            time.sleep(3600)
+
+    def before_commit(self) -> None:
+        if self.save_sleep_s > 0:
+            time.sleep(self.save_sleep_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite steps
+# ---------------------------------------------------------------------------------------------
+
+
+def step_is_finite(losses: List, ddp_chunks, device) -> bool:
+    """True when every rank's micro-batch losses and gradient buffers are finite: one flag
+    tensor, one all-reduce (MIN over the world), one host read."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.ones(1, dtype=torch.int32, device=device)
+    tensors = list(losses) + [buffer.grad_data for chunk in ddp_chunks
+                              for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+    for t in tensors:
+        flag.mul_(torch.isfinite(t).all().to(device=device, dtype=torch.int32))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class SkipBudget:
+    """Counts consecutive skipped steps; the ``limit``-th raises :class:`TrainingDiverged`."""
+
+    def __init__(self, limit: int):
+        self.limit, self.consecutive = limit, 0
+
+    def record(self, skipped: bool, iteration: int) -> None:
+        self.consecutive = self.consecutive + 1 if skipped else 0
+        if skipped and self.consecutive >= self.limit:
+            raise TrainingDiverged(
+                f"{self.consecutive} consecutive non-finite steps, the last at iteration "
+                f"{iteration} (training.max_skipped_steps={self.limit}); stopped without "
+                f"saving; resume from the last checkpoint with a lower optimizer.lr")
+
+
+# ---------------------------------------------------------------------------------------------
+# unresponsive ranks
+# ---------------------------------------------------------------------------------------------
+
+_MISSING_RANKS = re.compile(r"[Rr]anks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+def is_collective_failure(err: RuntimeError) -> bool:
+    """Whether ``err`` is a collective that failed (timed out, or lost its peer)."""
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistError) or "timed out" in str(err).lower()
+
+
+class RankMonitor:
+    """A gloo group of all ranks, used only to find out who stopped responding."""
+
+    def __init__(self, timeout: datetime.timedelta):
+        import torch.distributed as dist
+
+        self.timeout = timeout
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+
+    def unresponsive_ranks(self) -> List[int]:
+        """Ranks that do not reach a monitored barrier within the timeout (rank 0 asks)."""
+        import torch.distributed as dist
+
+        try:
+            dist.monitored_barrier(group=self.group, timeout=self.timeout,
+                                   wait_all_ranks=True)
+        except RuntimeError as err:
+            match = _MISSING_RANKS.search(str(err))
+            if match:
+                return [int(r) for r in match.group(1).replace(" ", "").split(",") if r]
+        return []
+
+    def explain(self, err: RuntimeError, iteration: int) -> RankTimeout:
+        """The :class:`RankTimeout` for a collective that failed at ``iteration``."""
+        ranks = self.unresponsive_ranks()
+        minutes = self.timeout.total_seconds() / 60
+        who = f"rank {', '.join(map(str, ranks))}" if ranks else "another rank"
+        return RankTimeout(
+            f"{who} did not respond within {minutes:g} minutes (parallel.timeout_minutes) at "
+            f"iteration {iteration}; the job stops ({' '.join(str(err).split())[:120]})")

@@ -1,0 +1,453 @@
+"""Every bad input to an entry point ends in one clear line and changes nothing.
+
+A table of cases, each a real subprocess of an entry point (``pretrain_lowrank.py`` as one
+process or under torchrun, and the tools). Every case must:
+
+* exit non-zero (2 where the input is a usage or configuration error),
+* print exactly one line starting ``error:`` (argparse's ``<prog>: error:`` counts) on stdout or
+  stderr, containing every needle of the case (the value and the rule it breaks) and none of
+  its ``forbid`` strings,
+* print no Python traceback (the torchrun launcher's own ``ChildFailedError`` report is not the
+  program's and is cut before checking),
+* write nothing: the run directory is not created and any checkpoint it was given is unchanged
+  (same files, sizes and CRC-32s).
+
+The process runs as root here, so file permissions cannot make a path unwritable; the
+"not writable" cases use a path below a regular file and a path under ``/proc`` (where root
+cannot create directories either).
+
+The cases that load a checkpoint share one small trained checkpoint (configs/debug.yaml, two
+iterations, one process), copied and damaged per case. The cases run concurrently, a few at a
+time (each is mostly interpreter start-up and imports).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Tuple
+
+import pytest
+
+from tests.test_training import DEBUG, ENTRY, ROOT, _env, _sentencepiece_model
+
+TIMEOUT = 240
+PARALLEL_CASES = 3
+ERROR_LINE = re.compile(r"^(\S+: )?error: ")
+
+
+@dataclass
+class Ctx:
+    """Paths a case may use: its own directory, the shared inputs and the shared checkpoint."""
+
+    case: Path
+    shared: Path
+
+    @property
+    def run(self) -> Path:
+        return self.case / "run"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.case / "ckpt"
+
+    @property
+    def tok(self) -> str:
+        return str(self.shared / "spm.model")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    argv: Callable[[Ctx], list]
+    needles: Tuple[str, ...]
+    code: Optional[int] = 2  # None: any non-zero status
+    forbid: Tuple[str, ...] = ()
+    setup: Optional[Callable[[Ctx], None]] = None
+    uses_checkpoint: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# command builders
+# ---------------------------------------------------------------------------------------------
+
+
+def train(*overrides, config: Optional[str] = None):
+    """``python pretrain_lowrank.py --config <config> <overrides>`` with run_dir in the case."""
+    def argv(ctx: Ctx):
+        cfg = (config or DEBUG).format(case=ctx.case)
+        items = [o.format(case=ctx.case, tok=ctx.tok, shared=ctx.shared) for o in overrides]
+        if not any(o.startswith("logging.run_dir=") for o in items):
+            items.append(f"logging.run_dir={ctx.run}")
+        return [sys.executable, ENTRY, "--config", cfg, *items]
+    return argv
+
+
+def torchrun2(*overrides):
+    def argv(ctx: Ctx):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2"] + train(*overrides)(ctx)[1:]
+    return argv
+
+
+def resume(*overrides):
+    """Train from the case's copy of the shared checkpoint."""
+    return train("checkpoint.load={case}/ckpt", "training.train_iters=5", *overrides)
+
+
+def tool(script: str, *args):
+    def argv(ctx: Ctx):
+        return [sys.executable, str(ROOT / "tools" / script),
+                *(a.format(case=ctx.case, tok=ctx.tok, shared=ctx.shared) for a in args)]
+    return argv
+
+
+def write(name: str, content):
+    def setup(ctx: Ctx):
+        path = ctx.case / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+    return setup
+
+
+def _data_prefix(ctx: Ctx, name: str) -> Path:
+    return ctx.case / name
+
+
+def dataset(name: str, damage: Optional[Callable[[Path], None]] = None, max_id: int = 299):
+    """A small valid indexed dataset ``<case>/<name>.bin/.idx`` (ids < max_id + 1), then
+    ``damage(prefix)``."""
+    def setup(ctx: Ctx):
+        _write_dataset(_data_prefix(ctx, name), max_id)
+        if damage is not None:
+            damage(_data_prefix(ctx, name))
+    return setup
+
+
+def _write_dataset(prefix: Path, max_id: int) -> None:
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        doc = rng.integers(4, 200, size=60)
+        doc[-1] = max_id  # the largest id appears in every document
+        builder.add_document(torch.from_numpy(doc.astype(np.int64)), [60])
+    builder.finalize(str(prefix) + ".idx")
+
+
+def _patch_bytes(suffix: str, offset: int, data: bytes):
+    def damage(prefix: Path):
+        path = Path(str(prefix) + suffix)
+        raw = bytearray(path.read_bytes())
+        raw[offset:offset + len(data)] = data
+        path.write_bytes(bytes(raw))
+    return damage
+
+
+def _truncate(suffix: str, keep: int):
+    def damage(prefix: Path):
+        path = Path(str(prefix) + suffix)
+        path.write_bytes(path.read_bytes()[:keep])
+    return damage
+
+
+def checkpoint(damage: Optional[Callable[[Path], None]] = None):
+    """Copy the shared checkpoint into ``<case>/ckpt``, then ``damage(<case>/ckpt)``."""
+    def setup(ctx: Ctx):
+        shutil.copytree(ctx.shared / "trained" / "checkpoints", ctx.ckpt)
+        if damage is not None:
+            damage(ctx.ckpt)
+    return setup
+
+
+def _first_shard(ckpt: Path) -> Path:
+    return sorted(ckpt.glob("iter_*/*.distcp"))[0]
+
+
+def _truncate_shard(ckpt: Path) -> None:
+    shard = _first_shard(ckpt)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+
+def _flip_shard_bytes(ckpt: Path) -> None:
+    shard = _first_shard(ckpt)
+    raw = bytearray(shard.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 8] = bytes(b ^ 0xFF for b in raw[middle:middle + 8])
+    shard.write_bytes(bytes(raw))
+
+
+def _tracker(text: str):
+    def damage(ckpt: Path):
+        (ckpt / "latest_checkpointed_iteration.txt").write_text(text)
+    return damage
+
+
+def _remove(name: str):
+    def damage(ckpt: Path):
+        next(ckpt.glob(f"iter_*/{name}")).unlink()
+    return damage
+
+
+DATA = ("data.mock=false", "data.tokenizer_model={tok}", "data.split='1,0,0'")
+
+# ---------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------
+
+CASES = [
+    # -- the YAML file ---------------------------------------------------------------------
+    Case("yaml_missing", train(config="{case}/nope.yaml"), ("nope.yaml", "does not exist")),
+    Case("yaml_is_directory", train(config="{case}"), ("is a directory",)),
+    Case("yaml_empty", train(config="{case}/c.yaml"), ("c.yaml", "is empty"),
+         setup=write("c.yaml", "")),
+    Case("yaml_not_mapping", train(config="{case}/c.yaml"), ("c.yaml", "mapping of sections",
+                                                              "list"),
+         setup=write("c.yaml", "- model\n- parallel\n")),
+    Case("yaml_broken_syntax", train(config="{case}/c.yaml"), ("c.yaml:3", "not valid YAML"),
+         setup=write("c.yaml", "model:\n  hidden_size: [64\nparallel: {tp: 1}\n")),
+    Case("yaml_not_text", train(config="{case}/c.yaml"), ("c.yaml", "not UTF-8"),
+         setup=write("c.yaml", b"model:\n  hidden_size: \xff\xfe\n")),
+    Case("yaml_section_not_mapping", train(config="{case}/c.yaml"), ("'model'", "mapping"),
+         setup=write("c.yaml", "model: 5\n")),
+    # -- keys and types --------------------------------------------------------------------
+    Case("unknown_section", train("bogus.key=1"), ("unknown section 'bogus'",)),
+    Case("unknown_key", train("model.bogus_key=3"), ("unknown key 'bogus_key'", "model")),
+    Case("override_without_value", train("parallel.tp"), ("parallel.tp", "section.key=value")),
+    Case("wrong_type_str_for_int", train("model.hidden_size=wide"),
+         ("model.hidden_size", "'wide'", "int")),
+    Case("wrong_type_bool_for_int", train("parallel.tp=true"), ("parallel.tp", "True",
+                                                                 "integer")),
+    Case("wrong_type_number_for_str", train("parallel.mode=3"), ("parallel.mode", "3")),
+    Case("unknown_mode", train("parallel.mode=fast"), ("fast", "full", "naive", "boost")),
+    Case("unknown_precision", train("training.precision=fp16"), ("training.precision",
+                                                                 "fp16")),
+    # -- positivity: each value names its own rule -----------------------------------------
+    Case("hidden_size_negative", train("model.hidden_size=-64"),
+         ("model.hidden_size", "-64", "positive"), forbid=("attn_rank",)),
+    Case("lr_negative", train("optimizer.lr=-1"), ("optimizer.lr", "-1", "positive"),
+         forbid=("min_lr",)),
+    Case("num_layers_zero", train("model.num_layers=0"), ("model.num_layers", "0",
+                                                          "positive")),
+    Case("seq_length_zero", train("model.seq_length=0"), ("model.seq_length", "0",
+                                                          "positive")),
+    Case("micro_batch_zero", train("training.micro_batch_size=0"),
+         ("training.micro_batch_size", "0", "positive")),
+    Case("train_iters_zero", train("training.train_iters=0"), ("training.train_iters", "0")),
+    Case("tp_zero", train("parallel.tp=0"), ("parallel.tp", "0", "positive")),
+    Case("save_interval_zero", train("checkpoint.save_interval=0"),
+         ("checkpoint.save_interval", "0")),
+    # -- divisibility and layout -----------------------------------------------------------
+    Case("layers_not_divisible_by_pp", train("model.num_layers=3", "parallel.pp=2"),
+         ("model.num_layers", "3", "parallel.pp", "divisible")),
+    Case("hidden_not_divisible_by_heads", train("model.num_attention_heads=3",
+                                                "model.num_query_groups=3"),
+         ("hidden_size", "num_attention_heads", "divisible")),
+    Case("heads_not_divisible_by_groups", train("model.num_query_groups=3"),
+         ("num_attention_heads", "num_query_groups", "divisible")),
+    Case("global_batch_not_divisible", train("training.global_batch_size=5"),
+         ("training.global_batch_size", "5", "divisible")),
+    Case("vpp_without_pipeline", train("parallel.vpp=2"), ("parallel.vpp", "2")),
+    Case("world_size_vs_layout", train("parallel.tp=2"), ("world size", "1", "parallel.tp")),
+    Case("dp_vs_launch", train("parallel.dp=2"), ("parallel.dp", "2")),
+    Case("warmup_longer_than_decay", train("optimizer.warmup_iters=100"),
+         ("optimizer.warmup_iters", "100")),
+    Case("min_lr_above_lr", train("optimizer.min_lr=1"), ("optimizer.min_lr", "1",
+                                                          "optimizer.lr")),
+    Case("attn_rank_above_hidden", train("model.attn_rank=128"), ("attn_rank", "128",
+                                                                  "hidden_size")),
+    Case("mlp_rank_above_hidden", train("model.mlp_rank=100"), ("mlp_rank", "100",
+                                                                "hidden_size")),
+    Case("groups_not_divisible_by_tp", torchrun2("parallel.tp=2", "model.num_query_groups=1"),
+         ("num_query_groups", "1", "divisible"), code=None),
+    Case("ffn_not_divisible_by_tp", torchrun2("parallel.tp=2", "model.ffn_hidden_size=127"),
+         ("ffn_hidden_size", "127", "divisible"), code=None),
+    # -- data ------------------------------------------------------------------------------
+    Case("data_prefix_missing", train(*DATA, "data.data_path=[{case}/nothing]"),
+         ("nothing", ".bin")),
+    Case("tokenizer_missing", train("data.mock=false", "data.tokenizer_model={case}/no.model",
+                                    "data.data_path=[{case}/d]"),
+         ("data.tokenizer_model", "no.model", "does not exist"), setup=dataset("d")),
+    Case("data_idx_empty", train(*DATA, "data.data_path=[{case}/d]"), ("d.idx", "is empty"),
+         setup=dataset("d", _truncate(".idx", 0))),
+    Case("data_bin_empty", train(*DATA, "data.data_path=[{case}/d]"), ("d.bin", "is empty"),
+         setup=dataset("d", _truncate(".bin", 0))),
+    Case("data_idx_bad_header", train(*DATA, "data.data_path=[{case}/d]"),
+         ("d.idx", "header"), forbid=("AssertionError",),
+         setup=dataset("d", _patch_bytes(".idx", 0, b"XXXX"))),
+    Case("data_idx_bad_version", train(*DATA, "data.data_path=[{case}/d]"),
+         ("d.idx", "version 7"), setup=dataset("d", _patch_bytes(".idx", 9, b"\x07"))),
+    Case("data_idx_bad_dtype", train(*DATA, "data.data_path=[{case}/d]"),
+         ("d.idx", "dtype code 99"), setup=dataset("d", _patch_bytes(".idx", 17, b"\x63"))),
+    Case("data_idx_truncated", train(*DATA, "data.data_path=[{case}/d]"),
+         ("d.idx", "truncated"), setup=dataset("d", _truncate(".idx", 100))),
+    Case("data_bin_truncated", train(*DATA, "data.data_path=[{case}/d]"),
+         ("d.bin", "bytes", "d.idx"), setup=dataset("d", _truncate(".bin", 1000))),
+    Case("data_ids_beyond_tokenizer", train(*DATA, "data.data_path=[{case}/d]"),
+         ("token id 5000", "vocabulary of 300"), setup=dataset("d", max_id=5000)),
+    # -- output paths (root: permissions do not stop it, so use paths that cannot exist) ----
+    Case("run_dir_is_a_file", train("logging.run_dir={case}/f"), ("logging.run_dir", "f",
+                                                                  "not a directory"),
+         setup=write("f", "x")),
+    Case("run_dir_below_a_file", train("logging.run_dir={case}/f/run"),
+         ("logging.run_dir", "f/run"), setup=write("f", "x")),
+    Case("run_dir_not_writable", train("logging.run_dir=/proc/mboost_run"),
+         ("logging.run_dir", "/proc/mboost_run", "writable")),
+    Case("checkpoint_save_is_a_file", train("checkpoint.save={case}/f"),
+         ("checkpoint.save", "f", "not a directory"), setup=write("f", "x")),
+    # -- checkpoints -----------------------------------------------------------------------
+    Case("checkpoint_load_missing", train("checkpoint.load={case}/none"),
+         ("checkpoint.load", "none")),
+    Case("checkpoint_other_width", resume("model.hidden_size=128"),
+         ("shape", "(256, 64)", "(256, 128)"), setup=checkpoint(), uses_checkpoint=True),
+    Case("checkpoint_other_rank", resume("model.attn_rank=8"),
+         ("shape", "16", "8"), setup=checkpoint(), uses_checkpoint=True),
+    Case("checkpoint_other_mode", resume("parallel.mode=full"),
+         ("parallel.mode",), setup=checkpoint(), uses_checkpoint=True),
+    Case("checkpoint_other_activation", resume("model.bottleneck_activation=gelu"),
+         ("model.bottleneck_activation", "silu", "gelu"), setup=checkpoint(),
+         uses_checkpoint=True),
+    Case("checkpoint_shard_truncated", resume(), (".distcp", "truncated"),
+         setup=checkpoint(_truncate_shard), uses_checkpoint=True),
+    Case("checkpoint_shard_corrupted", resume(), (".distcp", "CRC-32"),
+         setup=checkpoint(_flip_shard_bytes), uses_checkpoint=True),
+    Case("checkpoint_common_missing", resume(), ("common.pt", "missing"),
+         setup=checkpoint(_remove("common.pt")), uses_checkpoint=True),
+    Case("tracker_garbage", resume(), ("latest_checkpointed_iteration.txt", "'two'"),
+         setup=checkpoint(_tracker("two\n")), uses_checkpoint=True),
+    Case("tracker_missing_iteration", resume(), ("names iteration 99",),
+         setup=checkpoint(_tracker("99\n")), uses_checkpoint=True),
+    # -- tools -----------------------------------------------------------------------------
+    Case("preprocess_no_input", tool("preprocess_data.py", "--input", "{case}/none.txt",
+                                     "--tokenizer-model", "{tok}", "--output-prefix",
+                                     "{case}/out"), ("none.txt",), code=None),
+    Case("preprocess_no_tokenizer", tool("preprocess_data.py", "--input", "{shared}/corpus.txt",
+                                         "--tokenizer-model", "{case}/no.model",
+                                         "--output-prefix", "{case}/out"),
+         ("no.model", "does not exist"), code=None),
+    Case("preprocess_zero_workers", tool("preprocess_data.py", "--input", "{shared}/corpus.txt",
+                                         "--tokenizer-model", "{tok}", "--output-prefix",
+                                         "{case}/out", "--workers", "0"),
+         ("--workers", "0"), code=None),
+    Case("tokenizer_no_input", tool("train_tokenizer.py", "--input", "{case}/none.txt",
+                                    "--vocab-size", "300", "--model-prefix", "{case}/spm"),
+         ("none.txt",), code=None),
+    Case("tokenizer_vocab_not_int", tool("train_tokenizer.py", "--input", "{shared}/corpus.txt",
+                                         "--vocab-size", "many", "--model-prefix",
+                                         "{case}/spm"), ("--vocab-size", "many")),
+    Case("verify_parallel_bad_mode", tool("verify_parallel.py", "--config", DEBUG, "--mode",
+                                          "fast"), ("--mode", "fast")),
+    Case("verify_parallel_bad_yaml", tool("verify_parallel.py", "--config", "{case}/c.yaml"),
+         ("c.yaml", "is empty"), code=None, setup=write("c.yaml", "")),
+    Case("perf_model_unknown_gpu", tool("perf_model.py", "--config", DEBUG, "--gpu", "tpu9"),
+         ("tpu9",), code=None),
+    Case("perf_model_missing_config", tool("perf_model.py", "--config", "{case}/none.yaml"),
+         ("none.yaml", "does not exist"), code=None),
+    Case("comm_volume_unknown_key", tool("comm_volume.py", "--config", DEBUG, "model.nope=1"),
+         ("unknown key 'nope'",), code=None),
+    Case("benchmark_bad_recompute", tool("benchmark.py", "--config", DEBUG, "--tp", "1",
+                                         "--recompute", "sometimes"),
+         ("--recompute", "sometimes")),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# running and checking
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def shared_inputs(tmp_path_factory, request):
+    """The tokenizer, a corpus and (when a selected case needs it) one trained checkpoint."""
+    shared = tmp_path_factory.mktemp("bad_input_shared")
+    _sentencepiece_model(shared)
+    (shared / "corpus.txt").write_text("to be or not to be\n" * 50)
+    if any(c.uses_checkpoint for c in _selected_cases(request)):
+        proc = subprocess.run(
+            [sys.executable, ENTRY, "--config", DEBUG, "training.train_iters=3",
+             "training.eval_interval=100", f"logging.run_dir={shared / 'trained'}"],
+            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return shared
+
+
+def _selected_cases(request) -> list:
+    return [item.callspec.params["case"] for item in request.session.items
+            if hasattr(item, "callspec") and "case" in item.callspec.params]
+
+
+def _snapshot(root: Path) -> dict:
+    """Every file under ``root`` with its size and CRC-32 ({} when root does not exist)."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): (p.stat().st_size, zlib.crc32(p.read_bytes()))
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _run_case(case: Case, tmp_root: Path, shared: Path) -> dict:
+    ctx = Ctx(case=tmp_root / case.name, shared=shared)
+    ctx.case.mkdir(parents=True)
+    if case.setup is not None:
+        case.setup(ctx)
+    before = _snapshot(ctx.ckpt)
+    proc = subprocess.run(case.argv(ctx), cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    return {"proc": proc, "ctx": ctx, "before": before, "after": _snapshot(ctx.ckpt)}
+
+
+@pytest.fixture(scope="session")
+def results(request, shared_inputs, tmp_path_factory):
+    """Run every selected case, ``PARALLEL_CASES`` at a time; name -> outcome."""
+    cases = _selected_cases(request)
+    root = tmp_path_factory.mktemp("bad_input_cases")
+    with ThreadPoolExecutor(PARALLEL_CASES) as pool:
+        futures = {c.name: pool.submit(_run_case, c, root, shared_inputs) for c in cases}
+    return {name: f.result() for name, f in futures.items()}
+
+
+def _program_output(proc: subprocess.CompletedProcess) -> str:
+    """stdout + stderr without the torchrun launcher's own ChildFailedError report."""
+    text = proc.stdout + "\n" + proc.stderr
+    launcher = re.search(r"Traceback \(most recent call last\):\n(  .*\n)*?.*ChildFailedError"
+                         r"[\s\S]*$", text)
+    return text[:launcher.start()] if launcher else text
+
+
+def test_table_is_large_enough():
+    assert len(CASES) >= 40
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_one_clear_error(case, results):
+    outcome = results[case.name]
+    proc, ctx = outcome["proc"], outcome["ctx"]
+    text = _program_output(proc)
+    shown = f"exit {proc.returncode}\n--- output ---\n{text[-3000:]}"
+    assert proc.returncode != 0, shown
+    if case.code is not None:
+        assert proc.returncode == case.code, shown
+    errors = [line for line in text.splitlines() if ERROR_LINE.match(line)]
+    assert len(errors) == 1, shown
+    print(f"\n[{case.name}] exit {proc.returncode}: {errors[0]}")  # the table, with -s
+    for needle in case.needles:
+        assert needle in errors[0], (needle, errors[0])
+    for word in case.forbid:
+        assert word not in errors[0], (word, errors[0])
+    assert "Traceback" not in text, shown
+    assert not ctx.run.exists(), f"{ctx.run} was created\n{shown}"
+    assert outcome["after"] == outcome["before"], f"{ctx.ckpt} changed\n{shown}"
+    if case.name == "run_dir_not_writable":
+        assert not os.path.exists("/proc/mboost_run")
