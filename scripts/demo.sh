@@ -14,6 +14,8 @@
 #   4. torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/demo-shakespeare.yaml
 #   5. the loss curves: tools/plot_runs.py -> <run_dir>/curves.png; the summary:
 #      tools/summarize_run.py
+#   6. a short greedy sample from the trained model (tools/generate.py) and its HuggingFace
+#      export (tools/export_hf.py -> <run_dir>/hf, verified against megatron before it appears)
 #
 # Idempotent: the tokenizer and the datasets in $DEMO_DATA are reused when present (delete the
 # folder to rebuild them). Each run starts a FRESH run directory (the previous one is removed),
@@ -95,7 +97,6 @@ python tools/plot_runs.py "$RUN_DIR" --out "$RUN_DIR/curves.png" --labels "CoLA 
     --title "demo: CoLA on Shakespeare (boost, TP=2, CPU)"
 
 python tools/summarize_run.py "$RUN_DIR" --valid-set "held-out plays"
-say "done in $(elapsed)s: metrics $RUN_DIR/metrics.jsonl, curves $RUN_DIR/curves.png, checkpoint $RUN_DIR/checkpoints"
 
 # ---- the trained model leaves the framework: a short sample, then the HF export ------------
 say "sampling from the trained model (tools/generate.py, greedy)"
@@ -103,3 +104,4 @@ python -W ignore tools/generate.py "$RUN_DIR/checkpoints" --prompt "KING HENRY:"
 rm -rf "$RUN_DIR/hf"
 say "exporting it as a Hugging Face model (tools/export_hf.py -> $RUN_DIR/hf)"
 python -W ignore tools/export_hf.py "$RUN_DIR/checkpoints" "$RUN_DIR/hf"
+say "done in $(elapsed)s: metrics $RUN_DIR/metrics.jsonl, curves $RUN_DIR/curves.png, checkpoint $RUN_DIR/checkpoints, HF model $RUN_DIR/hf"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 from typing import Callable, Optional, Sequence
 
-__all__ = ["USAGE_ERROR_EXIT_CODE", "print_error", "one_line_errors"]
+__all__ = ["USAGE_ERROR_EXIT_CODE", "print_error", "one_line_errors", "run_reporting_errors"]
 
 #: Exit status for usage / configuration / input errors (argparse uses the same).
 USAGE_ERROR_EXIT_CODE = 2
@@ -33,3 +34,18 @@ def one_line_errors(main: Callable[[Optional[Sequence[str]]], int]):
             print_error(err)
             return USAGE_ERROR_EXIT_CODE
     return wrapped
+
+
+def run_reporting_errors(fn: Callable[[], None]) -> int:
+    """Run a conversion tool's body: a ``ValueError`` or file error (bad input) is reported by
+    :func:`print_error` with exit status 2 (``MBOOST_TRACEBACK=1`` re-raises it); 0 otherwise.
+    megatron's and torch's CPU notices are silenced so they do not bury the result."""
+    warnings.filterwarnings("ignore")
+    try:
+        fn()
+    except (ValueError, OSError) as err:  # FileNotFoundError is an OSError
+        if os.environ.get("MBOOST_TRACEBACK"):
+            raise
+        print_error(err)
+        return USAGE_ERROR_EXIT_CODE
+    return 0

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from megatron_boost.convert.errors import run_reporting_errors
+from megatron_boost.cli.errors import run_reporting_errors
 
 #: The evaluation layout's defaults, before the command line's overrides: the saved run's own
 #: layout need not fit this launch; only the tokenizer of the data section is read, so the

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from megatron_boost.convert.errors import run_reporting_errors
+from megatron_boost.cli.errors import run_reporting_errors
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
