@@ -23,7 +23,7 @@ shift
 # shellcheck source=scripts/launch_env.sh
 . "$ROOT/scripts/launch_env.sh"
 # logging.run_dir and the process count, from the config with the overrides applied
-read -r RUN_DIR WORLD < <(PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python -W ignore - "$CONFIG" "$@" <<'PY'
+read -r RUN_DIR WORLD < <(python -W ignore - "$CONFIG" "$@" <<'PY'
 import sys
 from megatron_boost.config.run import load_run_config
 try:
@@ -34,7 +34,8 @@ except ValueError as err:
 p = cfg.parallel
 print(cfg.logging.run_dir.rstrip("/"), p.tp * p.pp * (p.dp or 1))
 PY
-)
+) || true
+[ -n "${RUN_DIR:-}" ] || exit 2  # the configuration's error was printed above
 NPROC=${NPROC:-$WORLD}
 MODES=(full naive boost)
 for mode in "${MODES[@]}"; do

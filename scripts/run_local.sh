@@ -27,6 +27,10 @@ if [ ! -f "$CONFIG" ]; then
 fi
 # shellcheck source=scripts/launch_env.sh
 . "$ROOT/scripts/launch_env.sh"
+# Validate first, in one process: a bad input ends in the trainer's one error line (exit 2)
+# instead of torchrun's failure report.
+python -W ignore "$ROOT/pretrain_lowrank.py" --check --world-size "$NPROC" --config "$CONFIG" "$@" \
+    || exit $?
 # shellcheck disable=SC2086
 exec torchrun --standalone --nproc_per_node="$NPROC" ${TORCHRUN_ARGS:-} \
     "$ROOT/pretrain_lowrank.py" --config "$CONFIG" "$@"

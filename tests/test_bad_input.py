@@ -237,7 +237,7 @@ CASES = [
     # -- positivity: each value names its own rule -----------------------------------------
     Case("hidden_size_negative", train("model.hidden_size=-64"),
          ("model.hidden_size", "-64", "positive"), forbid=("attn_rank",)),
-    Case("lr_negative", train("optimizer.lr=-1"), ("optimizer.lr", "-1", "positive"),
+    Case("lr_negative", train("optimizer.lr=-1"), ("optimizer.lr", "-1", ">= 0"),
          forbid=("min_lr",)),
     Case("num_layers_zero", train("model.num_layers=0"), ("model.num_layers", "0",
                                                           "positive")),

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/debug.yaml parallel.tp=2
     python pretrain_lowrank.py --config configs/debug.yaml        # one process, no torchrun
+    python pretrain_lowrank.py --check --world-size 2 --config ...  # validate only (launchers)
 
 A ``ValueError`` (configuration, data, layout, checkpoint) ends the process with one line,
 ``error: <message>`` on stderr, and exit status 2; a fault during training (too many
@@ -36,7 +37,25 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                "torchrun --nproc_per_node=N.")
     parser.add_argument("--config", required=True, help="YAML run configuration")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the configuration and its data files for --world-size "
+                             "processes, then exit without training or writing anything (the "
+                             "local launchers run this before torchrun, so a bad input ends in "
+                             "one error line rather than torchrun's failure report)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="with --check: the number of processes of the launch "
+                             "(default: $WORLD_SIZE or 1)")
     return parser.parse_args(argv)
+
+
+def check_launch(cfg) -> None:
+    """What can be checked without process groups: the dataset files against the tokenizer
+    (the configuration itself was validated when it was loaded)."""
+    from megatron_boost.data.datasets import build_tokenizer
+    from megatron_boost.data.validation import validate_data_files
+
+    if cfg.data.tokenizer_model and not cfg.data.mock:
+        validate_data_files(cfg.data, int(build_tokenizer(cfg.data).vocab_size))
 
 
 def select_device(requested: str) -> str:
@@ -64,8 +83,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         from megatron_boost.config.run import load_run_config
 
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+        world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
         cfg = load_run_config(args.config, args.overrides, world_size=world_size)
+        if args.check:
+            check_launch(cfg)
+            return 0
         device = select_device(cfg.training.device)
         from megatron_boost.train.trainer import train
 

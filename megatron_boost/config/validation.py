@@ -27,8 +27,10 @@ _PRECISIONS = ("auto", "fp32", "bf16")
 _POSITIVE = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
              "model.num_attention_heads", "model.vocab_size", "model.seq_length",
              "model.rank_ratio", "parallel.tp", "parallel.pp", "parallel.timeout_minutes",
-             "training.micro_batch_size", "training.global_batch_size", "optimizer.lr",
+             "training.micro_batch_size", "training.global_batch_size",
              "training.max_skipped_steps")
+# A learning rate of 0 is allowed (frozen weights: evaluation runs, conversion checks).
+_NON_NEGATIVE = ("optimizer.lr", "optimizer.min_lr")
 _POSITIVE_OR_NULL = ("model.num_query_groups", "model.kv_channels", "model.attn_rank",
                      "model.mlp_rank", "parallel.vpp", "parallel.dp", "checkpoint.keep_last",
                      "training.train_iters", "training.train_tokens")
@@ -98,8 +100,9 @@ def _check_positive(cfg) -> None:
             continue
         if value is None or value <= 0:
             raise ValueError(f"{dotted} ({value}) must be positive")
-    if cfg.optimizer.min_lr < 0:
-        raise ValueError(f"optimizer.min_lr ({cfg.optimizer.min_lr}) must be >= 0")
+    for dotted in _NON_NEGATIVE:
+        if _value(cfg, dotted) < 0:
+            raise ValueError(f"{dotted} ({_value(cfg, dotted)}) must be >= 0")
 
 
 def _check_layout(cfg) -> None:
