@@ -384,8 +384,10 @@ def shared_inputs(tmp_path_factory, request):
 
 
 def _selected_cases(request) -> list:
+    # Only this module's cases: other modules may parametrize an argument named "case" too.
     return [item.callspec.params["case"] for item in request.session.items
-            if hasattr(item, "callspec") and "case" in item.callspec.params]
+            if hasattr(item, "callspec")
+            and isinstance(item.callspec.params.get("case"), Case)]
 
 
 def _snapshot(root: Path) -> dict:
