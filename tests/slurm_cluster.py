@@ -2,7 +2,7 @@
 
 Starts ``munged``, ``slurmctld`` and one or two ``slurmd`` as root, with every key, socket,
 state, spool, pid and log file in a private temporary directory, so launch scripts can be
-tested against the real scheduler. Facts behind the configuration: /work/shared/SLURM_NOTES.md.
+tested against the real scheduler. Facts behind the configuration: docs/design.md §12.
 
     ok, why = slurm_available(nodes=2)
     with SlurmCluster(nodes=2) as cluster:
