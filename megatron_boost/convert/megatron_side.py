@@ -26,7 +26,7 @@ from megatron_boost.data.datasets import build_tokenizer
 from megatron_boost.model.gpt import build_model, padded_vocab_size
 from megatron_boost.model.init import init_global_weights, sharded_params
 from megatron_boost.train.checkpointing import TRACKER_FILE, find_checkpoint, save_checkpoint
-from megatron_boost.train.distributed import init_distributed, shutdown
+from megatron_boost.train.distributed import init_distributed, init_world_of_one, shutdown
 from megatron_boost.train.resilience import process_group_timeout
 from megatron_boost.train.state import TrainState
 from megatron_boost.train.step import (
@@ -40,7 +40,8 @@ from megatron_boost.train.step import (
 __all__ = [
     "RunConfig", "load_run_config", "build_tokenizer", "padded_vocab_size", "TRACKER_FILE",
     "single_process", "resolve_checkpoint", "saved_run_config", "saved_vocab_rows",
-    "build_single_model", "initialised_single_model", "global_weights", "load_weights", "set_weights", "logits",
+    "build_single_model", "initialised_single_model", "global_weights", "load_weights",
+    "set_weights", "logits",
     "save_weights_as_checkpoint", "is_lowrank", "load_chunk_weights",
     "launched_world", "launched_model", "forward_only_losses", "holds_the_loss",
 ]
@@ -55,7 +56,6 @@ def single_process(seed: int = 1234) -> Iterator[None]:
     """A gloo world of one process in CPU mode with megatron's groups at TP = PP = 1, unless a
     process group already exists (then that one is used as it is)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from megatron_boost.runtime.cpu_mode import use_cpu
 
@@ -63,13 +63,12 @@ def single_process(seed: int = 1234) -> Iterator[None]:
         yield
         return
     use_cpu(force=True)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    init_world_of_one("gloo")
     try:
         initialize_parallel(1, 1, None, seed)
         yield
     finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        shutdown()  # megatron's groups and the process group
 
 
 def resolve_checkpoint(path: str) -> Path:

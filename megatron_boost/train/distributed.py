@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-__all__ = ["init_distributed", "launched_by_torchrun", "shutdown", "print0",
+__all__ = ["init_distributed", "init_world_of_one", "launched_by_torchrun", "shutdown", "print0",
            "broadcast_from_last_stage"]
 
 
@@ -28,8 +28,14 @@ def init_distributed(device: str, timeout: datetime.timedelta) -> None:
     if launched_by_torchrun():
         dist.init_process_group(backend, timeout=timeout)
         return
-    # A world of one needs no rendezvous: an in-memory store instead of a TCP port, which
-    # another process could take between choosing it and binding it.
+    init_world_of_one(backend, timeout)
+
+
+def init_world_of_one(backend: str = "gloo",
+                      timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
+    """A process group of this process alone. It needs no rendezvous: an in-memory store
+    instead of a TCP port, which another process could take between choosing it and binding
+    it."""
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timeout)
 
