@@ -88,6 +88,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             check_launch(cfg)
             return 0
+        if int(os.environ.get("RANK", "0")) == 0:
+            from megatron_boost.config.validation import budget_line
+
+            print(budget_line(cfg), flush=True)
         device = select_device(cfg.training.device)
         from megatron_boost.train.trainer import train
 

@@ -4,7 +4,8 @@ A run file has one top-level key per section (``model``, ``parallel``, ``trainin
 ``optimizer``, ``logging``, ``checkpoint``). YAML keys equal field names; an unknown key is fatal
 and the error names the key, the section and the file. Command-line overrides use dotted paths:
 ``model.attn_rank=64 parallel.tp=2``; values are parsed as YAML scalars (``2``, ``true``,
-``1e-3``, ``[a, b]``). Every field is documented by the string literal under it;
+``1e-3``, ``[a, b]``). An override of one budget key (``training.train_iters`` or
+``training.train_tokens``) drops the other from the file. Every field is documented by the string literal under it;
 ``configs/reference.yaml`` is the commented reference of all keys.
 """
 
@@ -27,7 +28,7 @@ from megatron_boost.runtime.backends import attention_backend_for_run
 __all__ = [
     "ModelConfig", "ParallelConfig", "TrainingConfig", "OptimizerConfig", "LoggingConfig",
     "CheckpointConfig", "RunConfig", "load_run_config", "apply_overrides",
-    "to_transformer_config",
+    "drop_budget_overridden_on_command_line", "to_transformer_config",
 ]
 
 
@@ -113,10 +114,12 @@ class TrainingConfig:
     """Sequences per micro-batch per data-parallel rank."""
     global_batch_size: int = 8
     """Sequences per optimizer step over all data-parallel ranks."""
-    train_iters: Optional[int] = 20
-    """Optimizer steps; null when train_tokens sets the budget."""
+    train_iters: Optional[int] = None
+    """Optimizer steps. Set exactly one of train_iters and train_tokens (both set is an
+    error); a command-line override of either drops the other from the YAML file."""
     train_tokens: Optional[int] = None
-    """Token budget; converted to iterations with global_batch_size · seq_length."""
+    """Token budget, converted to iterations of global_batch_size · seq_length tokens
+    (rounded up)."""
     eval_interval: int = 10
     """Evaluate on the validation split every this many steps (and at the end)."""
     eval_iters: int = 2
@@ -296,6 +299,30 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, 
     return raw
 
 
+#: The two keys that set a run's length; exactly one may be set (config/validation.py).
+BUDGET_KEYS = ("train_iters", "train_tokens")
+
+
+def _overridden_keys(overrides: Sequence[str]) -> set:
+    """The dotted keys (``section.key``) that ``overrides`` set, malformed items skipped (they
+    are reported by :func:`apply_overrides`)."""
+    return {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
+
+
+def drop_budget_overridden_on_command_line(raw: Dict[str, Any],
+                                           overrides: Sequence[str]) -> Dict[str, Any]:
+    """A budget given on the command line replaces the file's budget: overriding
+    ``training.train_iters`` removes the file's ``training.train_tokens`` and vice versa, so
+    ``training.train_iters=50`` works on a config that sets a token budget. Both overridden
+    stays both set (a validation error naming both)."""
+    given = {key for key in BUDGET_KEYS if f"training.{key}" in _overridden_keys(overrides)}
+    training = raw.get("training")
+    if len(given) == 1 and isinstance(training, dict):
+        (other,) = set(BUDGET_KEYS) - given
+        training.pop(other, None)
+    return raw
+
+
 def load_run_config(path: Optional[str], overrides: Sequence[str] = (),
                     world_size: Optional[int] = None) -> RunConfig:
     """Read a YAML run file (or defaults when ``path`` is None), apply overrides, validate
@@ -305,7 +332,7 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = (),
     if path is not None:
         raw = read_yaml_mapping(path)
         where = f"'{path}'"
-    raw = apply_overrides(raw, overrides)
+    raw = apply_overrides(drop_budget_overridden_on_command_line(raw, overrides), overrides)
     cfg = RunConfig()
     known = {f.name for f in dataclasses.fields(RunConfig)}
     for section, values in raw.items():

@@ -19,7 +19,8 @@ from typing import Optional
 from megatron_boost.config.transformer import TPMode
 from megatron_boost.runtime.backends import check_attention_backend
 
-__all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations"]
+__all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations",
+           "budget_line"]
 
 _PRECISIONS = ("auto", "fp32", "bf16")
 # Sizes and rates that must be > 0 (checked first, so that each names its own rule rather than
@@ -59,12 +60,28 @@ class ParallelDims:
 
 
 def train_iterations(cfg) -> int:
-    """Optimizer steps of a run: from ``training.train_tokens`` when set (it wins over
-    ``train_iters``, whose default is not null), else ``training.train_iters``."""
+    """Optimizer steps of a run: ``training.train_iters``, or ``training.train_tokens`` over
+    the tokens of one step, rounded up. Exactly one of them is set (:func:`_check_budget`)."""
     t = cfg.training
-    if t.train_tokens is not None:
-        return max(1, math.ceil(t.train_tokens / (t.global_batch_size * cfg.model.seq_length)))
-    return int(t.train_iters)
+    if t.train_iters is not None:
+        return int(t.train_iters)
+    if t.train_tokens is None:
+        raise ValueError("set training.train_iters (a positive number of steps) or "
+                         "training.train_tokens (a token budget)")
+    return max(1, math.ceil(t.train_tokens / (t.global_batch_size * cfg.model.seq_length)))
+
+
+def budget_line(cfg) -> str:
+    """The one line a run prints at start: which key sets its length, and what it means in
+    iterations and tokens."""
+    t = cfg.training
+    tokens_per_step = t.global_batch_size * cfg.model.seq_length
+    iters = train_iterations(cfg)
+    key = (f"training.train_iters={t.train_iters}" if t.train_iters is not None
+           else f"training.train_tokens={t.train_tokens:,}")
+    return (f"budget: {key} -> {iters:,} iterations x {tokens_per_step:,} tokens "
+            f"(global batch {t.global_batch_size} x seq {cfg.model.seq_length}) = "
+            f"{iters * tokens_per_step:,} tokens")
 
 
 def lr_decay_iterations(cfg) -> int:
@@ -77,6 +94,7 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     """Check every run-level rule once. ``world_size``: the number of launched processes; None
     (a config read by a tool, whose data need not exist here) skips the launch rules."""
     _check_positive(cfg)
+    _check_one_budget(cfg)
     _check_layout(cfg)
     _check_modes(cfg)
     if world_size is None:
@@ -103,6 +121,16 @@ def _check_positive(cfg) -> None:
     for dotted in _NON_NEGATIVE:
         if _value(cfg, dotted) < 0:
             raise ValueError(f"{dotted} ({_value(cfg, dotted)}) must be >= 0")
+
+
+def _check_one_budget(cfg) -> None:
+    """At most one budget key: with both set, one would silently win over the other."""
+    t = cfg.training
+    if t.train_iters is not None and t.train_tokens is not None:
+        raise ValueError(
+            f"training.train_iters ({t.train_iters}) and training.train_tokens "
+            f"({t.train_tokens}) are both set; set only one (a command-line override of "
+            f"either drops the other from the YAML file)")
 
 
 def _check_layout(cfg) -> None:
