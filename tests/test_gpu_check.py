@@ -1,46 +1,133 @@
-"""tools/gpu_check.sh: the per-rank layer shapes, and the whole script as a CPU dry run."""
+"""tools/gpu_check.sh: its per-rank shapes and GEMM list, and the whole check as a CPU dry run
+(every stage runs; a stage made to fail or to hang prints its row and the next stage runs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_boost.cli.gpu_check import cpu_plan, rank_local_model
+from megatron_boost.analysis.flops import attention_core_flops, forward_flops_per_token
+from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.cli import gpu_check
+from megatron_boost.cli.gpu_check import (
+    FAIL_STAGE_ENV, HANG_STAGE_ENV, STAGES, projection_gemms, projection_training_flops,
+    rank_local_shape)
+from megatron_boost.config.run import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
-COLA_7B = dict(hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32, attn_rank=1024,
-               mlp_rank=1024)
+SCRIPT = str(ROOT / "tools" / "gpu_check.sh")
+COLA_7B = ModelShape.from_config(load_run_config(str(ROOT / "configs" / "cola-7b.yaml")),
+                                 "cola-7b")
 
 
 @pytest.mark.parametrize("mode,expected", [
     # full: megatron shards heads and ffn; the hidden stream stays whole
-    ("full", dict(hidden_size=4096, ffn_hidden_size=2752, num_attention_heads=8,
-                  attn_rank=1024, mlp_rank=1024)),
+    ("full", dict(hidden=4096, ffn=2752, heads=8, attn_rank=1024, mlp_rank=1024)),
     # naive: A column- and B row-parallel shard the ranks; attention and MLP are replicated
-    ("naive", dict(hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
-                   attn_rank=256, mlp_rank=256)),
+    ("naive", dict(hidden=4096, ffn=11008, heads=32, attn_rank=256, mlp_rank=256)),
     # boost: hidden stream, heads and ffn sharded; the full rank r on every rank
-    ("boost", dict(hidden_size=1024, ffn_hidden_size=2752, num_attention_heads=8,
-                   attn_rank=1024, mlp_rank=1024)),
+    ("boost", dict(hidden=1024, ffn=2752, heads=8, attn_rank=1024, mlp_rank=1024)),
 ])
 def test_rank_local_shapes_at_tp4(mode, expected):
-    assert rank_local_model(COLA_7B, mode, 4) == dict(expected, kv_channels=128)
+    local = rank_local_shape(COLA_7B, mode, 4)
+    got = {k: getattr(local, k) for k in expected}
+    assert got == expected and local.e == 128 and local.g == local.heads
 
 
-def test_gpu_check_cpu_dry_run():
-    env = dict(os.environ, PYTHON=sys.executable, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([str(ROOT / "tools" / "gpu_check.sh"), "--cpu"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    table = proc.stdout[proc.stdout.index("check "):].splitlines()
-    checks = [line.split()[0] + " " + line.split()[1] for line in table[1:]]
-    plan = cpu_plan()
-    assert checks.count("a smoke") == 1 and checks.count("b throughput") == 2
-    assert checks.count("c layer") == 3 * len(plan.layer_cases)
-    assert checks.count("d attention") == 2
-    assert all(" ok " in line for line in table[1:]), "\n".join(table)
-    assert "resumed 4-6 max |diff| 0.0e+00" in table[1]
+def test_gemm_list_carries_the_analytic_projection_flops():
+    """3 GEMMs (forward, input and weight gradient) of 2·T·k·n per factor add up to 3 × the
+    shape's forward projection FLOPs, which are analysis.flops' per-token count of a one-layer
+    model without its attention core and head."""
+    tokens = 8192
+    for mode in ("full", "naive", "boost"):
+        local = rank_local_shape(COLA_7B, mode, 2)
+        gemm_flops = sum(3 * 2 * tokens * k * n for k, n in projection_gemms(local, mode))
+        assert gemm_flops == projection_training_flops(local, mode, tokens)
+        one_layer = dataclasses.replace(local, num_layers=1)
+        per_token = forward_flops_per_token(one_layer, mode, vocab_size=0, seq_length=2048) \
+            - attention_core_flops(2048, local.heads, local.e)
+        assert gemm_flops == pytest.approx(3 * tokens * per_token, rel=1e-12)
+
+
+def test_out_of_memory_is_a_row_and_other_errors_fail(monkeypatch, capsys):
+    """Stage 6 in-process with the layer run replaced: OOM reports a row (not a failure), any
+    other error a FAIL row; te on the CPU an 'unavailable' row."""
+    import torch
+
+    def run(plan, case, backend):
+        if backend == "sdpa":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")
+        raise RuntimeError("broken kernel")
+
+    monkeypatch.setattr(gpu_check, "_setup", lambda plan: None)
+    monkeypatch.setattr(gpu_check, "_attention_case", run)
+    gpu_check.stage_attention(gpu_check.cpu_plan(), Path("."))
+    rows = {line.split("s=128 ")[1].split()[0]: line  # backend -> row
+            for line in capsys.readouterr().out.splitlines()}
+    assert re.search(r"\bn/a\s+unavailable: Transformer Engine needs CUDA", rows["te"])
+    assert re.search(r"\binfo\s+out of memory: OutOfMemoryError", rows["sdpa"])
+    assert re.search(r"\bFAIL\s+RuntimeError: broken kernel", rows["local"])
+
+
+def test_bad_stage_selection_is_one_error_line(capsys):
+    assert gpu_check.main(["--cpu", "--stages", "0,9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --stages '0,9' must be a comma-separated list")
+
+
+def _run(args, env_extra=None, timeout=1200):
+    env = {k: v for k, v in os.environ.items() if k not in (FAIL_STAGE_ENV, HANG_STAGE_ENV)}
+    env.update(PYTHON=sys.executable, **(env_extra or {}))
+    return subprocess.run([SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _stage_rows(out: str, stage: int):
+    return [line for line in out.splitlines() if line.startswith(f"[{stage}] ")]
+
+
+def _status(line: str) -> str:
+    """The status column of a row (after the 40-wide case column)."""
+    return line[len("[0] ") + 13 + 41:].split()[0]
+
+
+def test_cpu_dry_run_every_stage_passes(tmp_path):
+    proc = _run(["--cpu", "--workdir", str(tmp_path)])
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
+    for stage in STAGES:
+        rows = _stage_rows(out, stage)
+        assert rows and "-- stage --" in rows[-1] and _status(rows[-1]) == "ok", (stage, out)
+        assert all(_status(r) in ("ok", "info", "n/a") for r in rows), (stage, rows)
+    # stage 1: 3 modes x 3 backends; te is reported unavailable on the CPU, never passed
+    steps = _stage_rows(out, 1)[:-1]
+    assert len(steps) == 9 and sum(_status(r) == "ok" for r in steps) == 6
+    assert all("unavailable:" in r for r in steps if " / te " in r)
+    assert sum("(bitwise)" in r for r in _stage_rows(out, 2)) == 2  # dist-opt on and off
+    assert len([r for r in _stage_rows(out, 3) if _status(r) == "ok"]) == 3  # fp32, bf16, stage
+    assert "constant per step" in "".join(_stage_rows(out, 4))
+    # stage 5 ran the override's 3 steps, not cola-350m.yaml's token budget
+    assert sum("3 steps (1 warm-up)" in r for r in _stage_rows(out, 5)) == 2
+    assert len(_stage_rows(out, 7)) == 1 + 2 * 3  # (debug shape at tp 1, 2) x 3 modes
+    assert "gpu_check: 8/8 stages ok" in out
+
+
+def test_a_failing_and_a_hanging_stage_do_not_stop_the_next(tmp_path):
+    proc = _run(["--cpu", "--stages", "0,1,5", "--time-limit", "1=3", "--workdir",
+                 str(tmp_path)], {FAIL_STAGE_ENV: "0", HANG_STAGE_ENV: "1"})
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr[-3000:]
+    fail, fail_stage = _stage_rows(out, 0)
+    assert _status(fail) == "FAIL" and f"made to fail by {FAIL_STAGE_ENV}=0" in fail
+    assert _status(fail_stage) == "FAIL"
+    (hang,) = _stage_rows(out, 1)
+    assert _status(hang) == "TIMEOUT" and "killed after its limit of 3 s" in hang
+    rows = _stage_rows(out, 5)
+    assert len(rows) == 3 and all(_status(r) == "ok" for r in rows), out
+    assert "not ok: 0 (FAIL), 1 (TIMEOUT)" in out
