@@ -40,6 +40,12 @@ def test_rank_local_shapes_at_tp4(mode, expected):
     assert got == expected and local.e == 128 and local.g == local.heads
 
 
+def test_rank_local_query_groups_under_gqa():
+    gqa = ModelShape("gqa", num_layers=1, hidden=4096, ffn=11008, heads=32, query_groups=8,
+                     attn_rank=1024, mlp_rank=1024)
+    assert [rank_local_shape(gqa, mode, 4).g for mode in ("full", "naive", "boost")] == [2, 8, 2]
+
+
 def test_gemm_list_carries_the_analytic_projection_flops():
     """3 GEMMs (forward, input and weight gradient) of 2·T·k·n per factor add up to 3 × the
     shape's forward projection FLOPs, which are analysis.flops' per-token count of a one-layer
