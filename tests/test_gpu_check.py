@@ -137,3 +137,43 @@ def test_a_failing_and_a_hanging_stage_do_not_stop_the_next(tmp_path):
     rows = _stage_rows(out, 5)
     assert len(rows) == 3 and all(_status(r) == "ok" for r in rows), out
     assert "not ok: 0 (FAIL), 1 (TIMEOUT)" in out
+
+
+def _processes_naming(text: str):
+    """pids whose command line contains ``text``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(
+                    errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:  # the process ended meanwhile
+            continue
+    return pids
+
+
+def test_sigterm_of_the_check_kills_the_running_stage(tmp_path):
+    """An outer timeout (SIGTERM) must not leave a stage running on a lent GPU."""
+    import signal
+    import time
+
+    env = {**os.environ, HANG_STAGE_ENV: "1"}
+    env.pop(FAIL_STAGE_ENV, None)
+    work = str(tmp_path / "sigterm")
+    check_proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_boost.cli.gpu_check", "--cpu", "--stages", "1",
+         "--workdir", work], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not [p for p in _processes_naming(work) if p != check_proc.pid]:
+            assert time.monotonic() < deadline, "the stage never started"
+            time.sleep(0.2)
+        check_proc.send_signal(signal.SIGTERM)
+        check_proc.wait(timeout=30)
+        time.sleep(0.5)
+        assert _processes_naming(work) == []
+    finally:
+        check_proc.kill()
+        for pid in _processes_naming(work):  # this test's own stage, when the check failed
+            os.kill(pid, signal.SIGKILL)

@@ -842,6 +842,18 @@ def _last_log_line(log: Path) -> str:
     return lines[-1].strip()[:200] if lines else "no output"
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a stage's process group (the stage and anything it started) and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _terminate(signum, frame):
+    """SIGTERM (e.g. an outer ``timeout``) as an exception, so the running stage is killed."""
+    raise SystemExit(128 + signum)
+
+
 def launch_stage(stage: int, args: argparse.Namespace, work: Path, limit: float) -> StageResult:
     """Run one stage in its own process group; kill the group after ``limit`` seconds."""
     log = work / f"stage{stage}.log"
@@ -854,10 +866,12 @@ def launch_stage(stage: int, args: argparse.Namespace, work: Path, limit: float)
         try:
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _kill_group(proc)
             return StageResult(stage, "TIMEOUT", time.perf_counter() - t0,
                                f"killed after its limit of {limit:.0f} s; log {log}")
+        except BaseException:  # Ctrl-C, or SIGTERM (_terminate): no stage outlives the check
+            _kill_group(proc)
+            raise
     seconds = time.perf_counter() - t0
     with contextlib.suppress(ProcessLookupError):  # leftovers (e.g. checkpoint writers)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -935,6 +949,7 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"gpu_check on {plan.device}: stages {','.join(map(str, stages))}, deadline "
           f"{deadline:.0f} s, logs in {work}", flush=True)
+    signal.signal(signal.SIGTERM, _terminate)
     t0 = time.perf_counter()
     results = []
     for stage in stages:
