@@ -87,7 +87,7 @@ def test_bad_stage_selection_is_one_error_line(capsys):
     assert err.startswith("error: --stages '0,9' must be a comma-separated list")
 
 
-def _run(args, env_extra=None, timeout=1200):
+def _run(args, env_extra=None, timeout=1800):
     env = {k: v for k, v in os.environ.items() if k not in (FAIL_STAGE_ENV, HANG_STAGE_ENV)}
     env.update(PYTHON=sys.executable, **(env_extra or {}))
     return subprocess.run([SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
