@@ -144,8 +144,9 @@ def _processes_naming(text: str):
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(
-                    errors="replace"):
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ") \
+                if proc.name.isdigit() else b""
+            if text in cmdline.decode(errors="replace"):
                 pids.append(int(proc.name))
         except OSError:  # the process ended meanwhile
             continue
@@ -166,7 +167,7 @@ def test_sigterm_of_the_check_kills_the_running_stage(tmp_path):
         stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while not [p for p in _processes_naming(work) if p != check_proc.pid]:
+        while not _processes_naming(f"--run-stage 1 --workdir {work}"):
             assert time.monotonic() < deadline, "the stage never started"
             time.sleep(0.2)
         check_proc.send_signal(signal.SIGTERM)

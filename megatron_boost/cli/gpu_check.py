@@ -849,8 +849,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+#: While a stage is being started, SIGTERM only marks itself pending (launch_stage raises it
+#: once the stage's handle exists).
+_termination = {"deferred": False, "pending": False}
+
+
 def _terminate(signum, frame):
     """SIGTERM (e.g. an outer ``timeout``) as an exception, so the running stage is killed."""
+    if _termination["deferred"]:
+        _termination["pending"] = True
+        return
     raise SystemExit(128 + signum)
 
 
@@ -861,9 +869,15 @@ def launch_stage(stage: int, args: argparse.Namespace, work: Path, limit: float)
            "--workdir", str(work)] + (["--cpu"] if args.cpu else [])
     t0 = time.perf_counter()
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_stage_env(stage), stderr=err,
-                                start_new_session=True)
+        _termination["deferred"] = True  # until the stage's handle exists to kill it by
         try:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=_stage_env(stage), stderr=err,
+                                    start_new_session=True)
+        finally:
+            _termination["deferred"] = False
+        try:
+            if _termination["pending"]:
+                raise SystemExit(128 + signal.SIGTERM)
             rc = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
