@@ -182,7 +182,15 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     """Save every this many steps (and at the end, and on SIGTERM/SIGUSR1); null: end only."""
     load: Optional[str] = None
-    """Directory to resume from; null means the save directory (resume if it has one)."""
+    """Directory to resume from; null means the save directory (resume if it has one). Every
+    launch starts from it, including relaunches and requeues: to start from imported or
+    pretrained weights once and resume afterwards, use init_from."""
+    init_from: Optional[str] = None
+    """Weights to start from when the save directory has no checkpoint yet (a new run): a
+    checkpoint directory, e.g. the output of tools/import_hf.py. Only the model weights are
+    read; the iteration, the optimizer and the learning-rate schedule start fresh. Once the run
+    has saved, every relaunch (and Slurm requeue) resumes from its own latest checkpoint and
+    this key is ignored. Exclusive with load."""
     no_load_optim: bool = False
     """Load weights only (fine-tuning, or a layout change without optimizer state)."""
     keep_last: Optional[int] = None
