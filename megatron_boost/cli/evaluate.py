@@ -35,6 +35,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.splitlines()[0])
     p.add_argument("model", help="checkpoint folder, iter_* folder or HF directory")
     p.add_argument("--input", required=True, help="text file, or .jsonl with a 'text' field")
+    p.add_argument("--json", help="also write the scores (loss, perplexity, bits_per_byte, "
+                                   "tokens) to this JSON file")
     p.add_argument("overrides", nargs="*",
                    help="section.key=value overrides of a checkpoint's run config, e.g. the "
                         "layout parallel.tp=2 parallel.pp=2 (default TP = PP = 1)")
@@ -113,8 +115,12 @@ def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
 def evaluate(args) -> dict:
     text = read_text(args.input)
     if (Path(args.model) / "config.json").is_file():
-        return _evaluate_hf(args.model, text, args.overrides)
-    return _evaluate_checkpoint(args.model, text, args.overrides)
+        result = _evaluate_hf(args.model, text, args.overrides)
+    else:
+        result = _evaluate_checkpoint(args.model, text, args.overrides)
+    if args.json and int(os.environ.get("RANK", "0")) == 0:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def main(argv: Optional[List[str]] = None) -> int:
