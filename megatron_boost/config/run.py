@@ -99,6 +99,11 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (megatron's distributed optimizer)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
+    overlap_bottleneck_grad_reduce: bool = True
+    """Low-rank modes: run the backward all-reduce of each bottleneck's input gradient (boost:
+    dz of the B factors; naive: dx of the A factors) asynchronously while the weight-gradient
+    GEMMs proceed (docs/design.md §7); false runs them one after the other. Gradients are
+    bitwise identical either way."""
     timeout_minutes: float = 30.0
     """Process-group timeout: a collective that waits longer (a rank died or stopped
     responding) ends the job with an error naming the unresponsive rank. Fractions allowed
@@ -355,6 +360,7 @@ def to_transformer_config(cfg: RunConfig, params_dtype: torch.dtype = torch.floa
         # (docs/design.md §10.6); unbatched p2p is correct everywhere, so it is used with vpp.
         batch_p2p_comm=not par.vpp,
         attention_backend=attention_backend_for_run(cfg)[0],
+        overlap_bottleneck_grad_reduce=par.overlap_bottleneck_grad_reduce,
     )
     kwargs.update(extra)
     return BoostTransformerConfig(**kwargs)
