@@ -352,6 +352,38 @@ def test_imported_llama_trains_and_evaluates_alike_in_every_layout(tmp_path, tok
     assert abs(tp2 - one) <= 1e-4
 
 
+def test_import_takes_the_hf_directory_tokenizer_and_writes_the_training_config(
+        tmp_path, tokenizer_model, capsys):
+    """The config names a tokenizer file that does not exist here (a user's data/...): the
+    import uses the HF directory's own tokenizer instead, and writes train.yaml with the HF
+    shape, that tokenizer and init_from, and prints the command that trains from it."""
+    import yaml
+
+    from megatron_boost.convert.tokenizer import hf_tokenizer
+    from megatron_boost.data.datasets import DataConfig
+
+    hf = random_llama(tmp_path / "llama", vocab_size=400)
+    hf_tokenizer(DataConfig(tokenizer_model=tokenizer_model)).save_pretrained(str(hf))
+    config = tmp_path / "run.yaml"
+    config.write_text((ROOT / "configs/debug.yaml").read_text().replace(
+        "data:\n  mock: true", "data:\n  mock: false\n  tokenizer_model: data/absent.model\n"
+        "  data_path: [data/corpus]"))
+    capsys.readouterr()
+    from megatron_boost.cli.import_hf import main
+
+    assert main([str(hf), str(tmp_path / "imported"), "--config", str(config),
+                 "parallel.tp=2"]) == 0
+    out = capsys.readouterr().out
+    written = yaml.safe_load((tmp_path / "imported" / "train.yaml").read_text())
+    assert written["data"]["tokenizer_model"] == str(hf)
+    assert written["data"]["tokenizer_type"] == "huggingface"
+    assert written["checkpoint"]["init_from"] == str(tmp_path / "imported")
+    assert written["model"]["vocab_size"] == 400 and written["model"]["num_query_groups"] == 2
+    assert written["data"]["data_path"] == ["data/corpus"]  # the rest is the config's
+    assert (f"torchrun --nproc_per_node=2 pretrain_lowrank.py --config "
+            f"{tmp_path / 'imported' / 'train.yaml'}\n") in out
+
+
 # ---------------------------------------------------------------------------------------------
 # import -> train (checkpoint.init_from) -> kill -> relaunch resumes
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def doc_commands() -> list[str]:
 
 def test_the_page_has_its_steps():
     blocks = doc_commands()
-    assert len(blocks) == 8, "a tested block lost its marker or its ```bash fence"
+    assert len(blocks) == 9, "a tested block lost its marker or its ```bash fence"
     joined = "\n".join(blocks)
     for step in ("train_tokenizer.py", "preprocess_data.py", "--check", "torchrun",
                  "export_hf.py", "lm_eval", "import_hf.py", "imported/train.yaml"):
@@ -49,7 +49,7 @@ def test_the_own_corpus_walk_through_runs_as_written(tmp_path):
     bin_dir = str(Path(sys.executable).parent)  # torchrun, lm_eval of this environment
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(CORPUS=str(corpus), WORK=str(tmp_path / "work"), VOCAB="300", ITERS="6",
+    env.update(CORPUS=str(corpus), WORK=str(tmp_path / "work"), VOCAB="400", ITERS="6",
                PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     script = "set -euo pipefail\n" + "\n".join(doc_commands())
     proc = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True,
