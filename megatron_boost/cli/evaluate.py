@@ -102,7 +102,12 @@ def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
         raise ValueError(f"{ckpt} was trained without a tokenizer (mock data); text needs one")
     seq, par = cfg.model.seq_length, cfg.parallel
     windows = text_windows(list(mb.build_tokenizer(cfg.data).tokenize(text)), seq)
-    with mb.launched_world(cfg, select_device(cfg.training.device)) as device:
+    # The saved device is the training machine's: a GPU run's checkpoint evaluates anywhere
+    # ('auto' says in one line why it falls back to the CPU), unless the command line says.
+    saved_device = cfg.training.device
+    requested = "auto" if saved_device == "cuda" and not any(
+        o.startswith("training.device=") for o in overrides) else saved_device
+    with mb.launched_world(cfg, select_device(requested)) as device:
         chunks = mb.launched_model(cfg, ckpt, device)
         start = time.perf_counter()
         total = layout_summed_loss(chunks, windows, cfg, device, progress=lambda batches: tqdm(
