@@ -5,7 +5,7 @@ Full rank imports the weights as they are; low rank initialises every projection
 SVD, W ≈ B·A with B = U·√S and A = √S·Vᵀ (the best rank-r approximation, Eckart-Young), whose
 relative Frobenius error is sqrt(Σ_{i>r} s_i² / Σ s_i²) (printed per layer). A ``ColaForCausalLM``
 (our own export) imports its factors as they are, bit-exactly. The checkpoint is written by the
-trainer's save code at TP = 1 and reshards on load. Next to it, ``<OUTPUT>/train.yaml`` is a run
+trainer's save code at TP = 1 and reshards on load. Beside it, ``<OUTPUT>/train.yaml`` is a run
 configuration with the imported shape, the HF directory's own tokenizer (by default) and
 ``checkpoint.init_from=<OUTPUT>``: training starts from the imported weights once, and every
 relaunch resumes from the run's own checkpoints.

@@ -42,8 +42,8 @@ from megatron_boost.train.megatron_fixes import finish_optimizer_load, prepare_o
 from megatron_boost.train.state import TrainState
 
 __all__ = ["TRACKER_FILE", "CHECKPOINT_FORMAT_VERSION", "Resumed", "checkpoint_state_dict",
-           "save_checkpoint", "find_checkpoint", "verify_checkpoint", "load_checkpoint", "load_weights",
-           "check_format_version"]
+           "save_checkpoint", "find_checkpoint", "verify_checkpoint", "load_checkpoint",
+           "load_weights", "check_format_version"]
 
 #: Version of the checkpoint content; a checkpoint of another version is refused on load.
 CHECKPOINT_FORMAT_VERSION = 1
