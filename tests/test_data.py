@@ -168,6 +168,33 @@ def test_preprocess_round_trip(corpus, tmp_path):
     assert [ds[k].tolist() for k in range(len(ds))] == flat
 
 
+def test_preprocess_with_a_hugging_face_tokenizer_directory(corpus, tmp_path):
+    """An HF tokenizer directory (here: the SentencePiece model as converted for the HF export,
+    which gives SentencePiece's ids) is accepted, with the pool, and stores exactly the ids and
+    end-of-document id that training reads with data.tokenizer_type=huggingface."""
+    pytest.importorskip("transformers")
+    import sentencepiece as spm
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_boost.convert.tokenizer import hf_tokenizer
+
+    hf_dir = tmp_path / "hf_tok"
+    hf_tokenizer(DataConfig(tokenizer_model=corpus["model"])).save_pretrained(str(hf_dir))
+    prefix = str(tmp_path / "hf_train")
+    out = run_tool("preprocess_data.py", "--input", str(corpus["root"] / "train"),
+                   "--tokenizer-model", str(hf_dir), "--output-prefix", prefix,
+                   "--workers", "2", "--append-eod").stdout
+    assert "12 docs" in out
+    sp = spm.SentencePieceProcessor(model_file=corpus["model"])
+    training = build_tokenizer(DataConfig(tokenizer_model=str(hf_dir),
+                                          tokenizer_type="huggingface"))
+    ds = IndexedDataset(prefix)
+    assert len(ds) == len(corpus["train_texts"])
+    for i, text in enumerate(corpus["train_texts"]):
+        assert ds[i].tolist() == list(training.tokenize(text)) + [training.eod]
+        assert ds[i].tolist() == sp.encode(text) + [sp.eos_id()]  # the independent reference
+
+
 def test_build_gpt_datasets_split_shapes_and_batches(corpus, tmp_path):
     cfg = DataConfig(
         data_path=[corpus["train_prefix"]],

@@ -268,3 +268,25 @@ def test_cli_with_config(tmp_path, capsys):
     assert preds[2]["comm"]["tp_elements_per_token_per_layer_fwd"] == 7170
     assert preds[2]["layout"]["num_micro_batches"] == 64 // (2 * 2)
     assert preds[2]["iteration_s"] < preds[0]["iteration_s"]
+
+
+def test_docs_sizing_table_is_current(capsys):
+    """docs/sizing.md holds exactly what `tools/perf_model.py --sizing-table` prints: every
+    shipped GPU config once (the CPU configs, device: cpu, are not sized)."""
+    from pathlib import Path
+
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.perf.sizing import replace_table
+
+    assert main(["--sizing-table"]) == 0
+    table = capsys.readouterr().out
+    doc = (Path(ROOT) / "docs" / "sizing.md").read_text()
+    assert replace_table(doc, table) == doc, (
+        "docs/sizing.md is stale: python tools/perf_model.py --sizing-table --write "
+        "docs/sizing.md")
+    gpu_configs = sorted(p.name for p in (Path(ROOT) / "configs").glob("*.yaml")
+                         if p.name != "reference.yaml"
+                         and load_run_config(str(p)).training.device != "cpu")
+    assert len(gpu_configs) >= 10
+    rows = [line for line in table.splitlines() if line.startswith("| `configs/")]
+    assert sorted(r.split("`")[1].split("/")[1] for r in rows) == gpu_configs

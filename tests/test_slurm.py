@@ -188,7 +188,9 @@ def test_one_node_two_processes(slurm1, job, how):
         assert r["rank_sum"] == 1.0  # 0 + 1: the all-reduce ran across both processes
         assert r["node"] == "localhost"
         assert r["config"] == "cfg.yaml"
-        assert r["overrides"] == [f"run_dir={job.run_dir}", "model.hidden=8"]
+        # the launcher asks for CUDA (MBOOST_DEVICE unset) ahead of the user's overrides
+        assert r["overrides"] == ["training.device=cuda", f"run_dir={job.run_dir}",
+                                  "model.hidden=8"]
         assert r["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
         assert r["env"]["OMP_NUM_THREADS"] == "1"
         assert not r["resumed"]

@@ -37,7 +37,7 @@ def job(tmp_path):
 
 
 def _submit(cluster, job, overrides=(), env=None, sbatch_args=(), wait=True, timeout=240):
-    e = dict(job.env)
+    e = dict(job.env, MBOOST_DEVICE="cpu")  # the launcher asks for CUDA unless told otherwise
     e.update(env or {})
     args = [str(CONFIG), "parallel.tp=2", f"logging.run_dir={job.run_dir}",
             "training.train_iters=4", "training.eval_interval=4", *overrides]

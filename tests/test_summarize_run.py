@@ -66,9 +66,9 @@ def test_table(run, tmp_path, capsys):
     other = write_run(tmp_path / "run-full", [train_record(30, 4.0, 1500.0)])
     assert main(["--table", run, other, "--labels", "boost", "full"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "mode    iters     loss  val_loss   val_ppl   tokens/s TFLOP/s/dev  tp_comm/step",
-        "boost      30   4.1250    4.3795     79.80      2,000         0.5       3.00 MB",
-        "full       30   4.0000       n/a       n/a      1,500         0.5       3.00 MB",
+        "mode    iters     loss  val_loss   val_ppl   tokens/s TFLOP/s/dev   tp_comm/step",
+        "boost      30   4.1250    4.3795     79.80      2,000         0.5       3.00 MiB",
+        "full       30   4.0000       n/a       n/a      1,500         0.5       3.00 MiB",
     ]
 
 

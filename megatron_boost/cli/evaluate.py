@@ -35,6 +35,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.splitlines()[0])
     p.add_argument("model", help="checkpoint folder, iter_* folder or HF directory")
     p.add_argument("--input", required=True, help="text file, or .jsonl with a 'text' field")
+    p.add_argument("--json", help="also write the scores (loss, perplexity, bits_per_byte, "
+                                   "tokens) to this JSON file")
     p.add_argument("overrides", nargs="*",
                    help="section.key=value overrides of a checkpoint's run config, e.g. the "
                         "layout parallel.tp=2 parallel.pp=2 (default TP = PP = 1)")
@@ -100,7 +102,12 @@ def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
         raise ValueError(f"{ckpt} was trained without a tokenizer (mock data); text needs one")
     seq, par = cfg.model.seq_length, cfg.parallel
     windows = text_windows(list(mb.build_tokenizer(cfg.data).tokenize(text)), seq)
-    with mb.launched_world(cfg, select_device(cfg.training.device)) as device:
+    # The saved device is the training machine's: a GPU run's checkpoint evaluates anywhere
+    # ('auto' says in one line why it falls back to the CPU), unless the command line says.
+    saved_device = cfg.training.device
+    requested = "auto" if saved_device == "cuda" and not any(
+        o.startswith("training.device=") for o in overrides) else saved_device
+    with mb.launched_world(cfg, select_device(requested)) as device:
         chunks = mb.launched_model(cfg, ckpt, device)
         start = time.perf_counter()
         total = layout_summed_loss(chunks, windows, cfg, device, progress=lambda batches: tqdm(
@@ -113,8 +120,12 @@ def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
 def evaluate(args) -> dict:
     text = read_text(args.input)
     if (Path(args.model) / "config.json").is_file():
-        return _evaluate_hf(args.model, text, args.overrides)
-    return _evaluate_checkpoint(args.model, text, args.overrides)
+        result = _evaluate_hf(args.model, text, args.overrides)
+    else:
+        result = _evaluate_checkpoint(args.model, text, args.overrides)
+    if args.json and int(os.environ.get("RANK", "0")) == 0:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -5,6 +5,7 @@ Examples:
     megatron-boost-perf-model --compare-published
     megatron-boost-perf-model --config configs/cola-7b.yaml --gpus 8 --gpu a100-80gb --tp 4
     megatron-boost-perf-model --config configs/cola-7b.yaml --gpus 64 --gpu h100-80gb --recommend
+    python tools/perf_model.py --sizing-table --write docs/sizing.md   # every shipped GPU config
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--recommend", action="store_true",
                     help="search TP/PP/micro-batch/recompute per mode for the fastest fits")
     ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--sizing-table", action="store_true",
+                    help="the table of docs/sizing.md: every shipped GPU config at its "
+                         "intended layout (one 8-GPU node), A100 / H100 / H200")
+    ap.add_argument("--write", help="with --sizing-table: replace the table in this file "
+                                    "(between its markers) instead of printing it")
     ap.add_argument("--json", help="write the results as JSON to this file")
     return ap
 
@@ -110,6 +116,24 @@ def _predictions(s: Dict, modes, hw, gpus_per_node) -> list:
     return preds
 
 
+def _sizing_table(write: Optional[str]) -> int:
+    from pathlib import Path
+
+    from megatron_boost.perf.sizing import replace_table, sizing_configs, sizing_table
+
+    root = Path(__file__).resolve().parents[2]
+    table = sizing_table(sizing_configs(root / "configs"), root)
+    if not write:
+        print(table, end="")
+        return 0
+    path = Path(write)
+    if not path.is_file():
+        raise SystemExit(f"--write '{write}' does not exist")
+    path.write_text(replace_table(path.read_text(), table))
+    print(f"wrote the sizing table into {write}")
+    return 0
+
+
 @one_line_errors
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
@@ -118,6 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"--modes: unknown mode '{m}' (one of {', '.join(MODES)})")
+    if args.sizing_table:
+        return _sizing_table(args.write)
     result: Dict = {"gpu": hw.name, "hardware": dataclasses.asdict(hw)}
     if args.compare_published:
         rows = compare_published()

@@ -7,7 +7,9 @@
 
 One document per plain-text file (e.g. one play) and one per line of a ``.jsonl`` file (its
 ``--json-key`` field). Directories are read recursively in sorted order and globs are expanded,
-so the document order is deterministic. Documents are tokenized with SentencePiece in a
+so the document order is deterministic. Documents are tokenized by ``--tokenizer-model``, a
+SentencePiece model or a Hugging Face tokenizer directory (read by the megatron tokenizer that
+training builds from ``data.tokenizer_type: huggingface``, so the ids agree), in a
 ``multiprocessing`` pool of ``--workers`` processes (order is preserved) and written with
 megatron-core's ``IndexedDatasetBuilder``; the token dtype is uint16 for vocabularies below
 65500 ids, else int32. ``--append-eod`` appends the tokenizer's ``eos`` id to every document,
@@ -29,8 +31,8 @@ from megatron_boost.data.textfiles import expand_inputs
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
-# Per-worker state, set by _init_worker (each pool process loads its own SentencePiece model).
-_sp = None
+# Per-worker state, set by _init_worker (each pool process loads its own tokenizer).
+_tok = None
 _append_eod = False
 _split_sentences = False
 _json_key = "text"
@@ -52,11 +54,43 @@ def iter_work(files: list[str]) -> Iterator[tuple[str, str, str]]:
             yield "file", path, path
 
 
-def _init_worker(model_path: str, append_eod: bool, split_sentences: bool, json_key: str) -> None:
-    global _sp, _append_eod, _split_sentences, _json_key
-    import sentencepiece as spm
+class _SentencePiece:
+    """A SentencePiece ``.model`` file: ``encode``, ``eod`` (its eos id), ``vocab_size``."""
 
-    _sp = spm.SentencePieceProcessor(model_file=model_path)
+    def __init__(self, path: str) -> None:
+        import sentencepiece as spm
+
+        self._sp = spm.SentencePieceProcessor(model_file=path)
+        self.eod, self.vocab_size = self._sp.eos_id(), self._sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+
+class _HuggingFace:
+    """A Hugging Face tokenizer directory, through the very tokenizer training builds from
+    ``data.tokenizer_type: huggingface`` (megatron's), so the stored ids are the ids training
+    expects and its end-of-document id is training's ``eod``."""
+
+    def __init__(self, path: str) -> None:
+        from megatron_boost.data.datasets import DataConfig, build_tokenizer
+
+        self._tok = build_tokenizer(DataConfig(tokenizer_model=path,
+                                               tokenizer_type="huggingface"))
+        self.eod, self.vocab_size = self._tok.eod, int(self._tok.vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.tokenize(text))
+
+
+def open_tokenizer(path: str):
+    """A directory is a Hugging Face tokenizer, a file a SentencePiece model."""
+    return _HuggingFace(path) if os.path.isdir(path) else _SentencePiece(path)
+
+
+def _init_worker(model_path: str, append_eod: bool, split_sentences: bool, json_key: str) -> None:
+    global _tok, _append_eod, _split_sentences, _json_key
+    _tok = open_tokenizer(model_path)
     _append_eod, _split_sentences, _json_key = append_eod, split_sentences, json_key
 
 
@@ -73,9 +107,9 @@ def _tokenize(item: tuple[str, str, str]) -> tuple[list[list[int]], int, str]:
             return [], 0, f"{where} is not a JSON object with key '{_json_key}' ({err})"
         text = str(text)
     pieces = _SENTENCE_END.split(text) if _split_sentences else [text]
-    sentences = [ids for ids in (_sp.encode(p) for p in pieces) if ids]
+    sentences = [ids for ids in (_tok.encode(p) for p in pieces) if ids]
     if sentences and _append_eod:
-        sentences[-1].append(_sp.eos_id())
+        sentences[-1].append(_tok.eod)
     return sentences, len(text.encode("utf-8")), ""
 
 
@@ -120,7 +154,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--input", nargs="+", required=True, help="text/.jsonl files, dirs or globs"
     )
     parser.add_argument("--json-key", default="text", help="text field of .jsonl records")
-    parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    parser.add_argument("--tokenizer-model", required=True,
+                        help="SentencePiece .model file, or a Hugging Face tokenizer directory "
+                             "(e.g. an HF model's; train with data.tokenizer_type=huggingface)")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin/.idx")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--append-eod", action="store_true", help="append eos to every document")
@@ -137,10 +173,11 @@ def check_args(args: argparse.Namespace) -> list[str]:
     """Validate the arguments; returns the input files (a clear error for each bad value)."""
     if args.workers < 1:
         raise SystemExit(f"preprocess_data.py: error: --workers {args.workers} must be >= 1")
-    if not os.path.isfile(args.tokenizer_model):
+    if not os.path.exists(args.tokenizer_model):
         raise SystemExit(
             f"preprocess_data.py: error: --tokenizer-model '{args.tokenizer_model}' does not "
-            f"exist; train one with tools/train_tokenizer.py"
+            f"exist; train one with tools/train_tokenizer.py or give a Hugging Face tokenizer "
+            f"directory"
         )
     files = expand_inputs(args.input, "preprocess_data.py")
     if not files:
@@ -195,11 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     total = None if any(f.endswith(".jsonl") for f in files) else len(files)
 
     import numpy
-    import sentencepiece as spm
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    vocab_size = spm.SentencePieceProcessor(model_file=args.tokenizer_model).get_piece_size()
-    dtype = DType.optimal_dtype(vocab_size)
+    tokenizer = open_tokenizer(args.tokenizer_model)
+    if args.append_eod and (tokenizer.eod is None or tokenizer.eod < 0):
+        raise SystemExit(f"preprocess_data.py: error: --append-eod needs an end-of-document "
+                         f"token, and the tokenizer '{args.tokenizer_model}' has no eos token; "
+                         f"drop --append-eod or use a tokenizer with one")
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
     builder = IndexedDatasetBuilder(args.output_prefix + ".bin", dtype=dtype)
 

@@ -60,13 +60,19 @@ def check_launch(cfg) -> None:
 
 def select_device(requested: str) -> str:
     """'cuda' or 'cpu' (CPU mode, docs/design.md §9); before megatron's training modules are
-    imported."""
-    from megatron_boost.runtime.cpu_mode import maybe_use_cpu
+    imported. ``auto`` falling back to the CPU says why in one line (rank 0), so a GPU job on
+    a node with broken CUDA does not train on the CPU unnoticed."""
+    from megatron_boost.runtime.cpu_mode import cuda_unusable_reason, maybe_use_cpu
 
     try:
-        return maybe_use_cpu(requested)
+        device = maybe_use_cpu(requested)
     except RuntimeError as err:  # e.g. device 'cuda' without a usable GPU
         raise ValueError(str(err)) from None
+    if requested == "auto" and device == "cpu" and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: training.device=auto falls back to the CPU: CUDA is unusable "
+              f"({cuda_unusable_reason()}); set training.device=cuda to make this an error, "
+              f"or training.device=cpu to silence this line", flush=True)
+    return device
 
 
 def _print_error(err: Exception) -> None:

@@ -108,7 +108,7 @@ def summary_lines(run_dir: str, valid_set: str) -> list[str]:
 
 TABLE_HEADER = (
     f"{'mode':<6} {'iters':>6} {'loss':>8} {'val_loss':>9} {'val_ppl':>9} {'tokens/s':>10} "
-    f"{'TFLOP/s/dev':>11} {'tp_comm/step':>13}"
+    f"{'TFLOP/s/dev':>11} {'tp_comm/step':>14}"
 )
 
 
@@ -121,7 +121,7 @@ def table_row(run_dir: str, label: str) -> str:
     return (
         f"{label:<6} {last['iteration']:>6} {last['loss']:>8.4f} {val_loss:>9} {val_ppl:>9} "
         f"{mean_of(train, 'tokens_per_s'):>10,.0f} {mean_of(train, 'tflops'):>11.3g} "
-        f"{last['tp_comm_bytes'] / 2**20:>10.2f} MB"
+        f"{last['tp_comm_bytes'] / 2**20:>10.2f} MiB"
     )
 
 

@@ -100,6 +100,11 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (megatron's distributed optimizer)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
+    overlap_bottleneck_grad_reduce: bool = True
+    """Low-rank modes: run the backward all-reduce of each bottleneck's input gradient (boost:
+    dz of the B factors; naive: dx of the A factors) asynchronously while the weight-gradient
+    GEMMs proceed (docs/design.md §7); false runs them one after the other. Gradients are
+    bitwise identical either way."""
     timeout_minutes: float = 30.0
     """Process-group timeout: a collective that waits longer (a rank died or stopped
     responding) ends the job with an error naming the unresponsive rank. Fractions allowed
@@ -185,7 +190,15 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     """Save every this many steps (and at the end, and on SIGTERM/SIGUSR1); null: end only."""
     load: Optional[str] = None
-    """Directory to resume from; null means the save directory (resume if it has one)."""
+    """Directory to resume from; null means the save directory (resume if it has one). Every
+    launch starts from it, including relaunches and requeues: to start from imported or
+    pretrained weights once and resume afterwards, use init_from."""
+    init_from: Optional[str] = None
+    """Weights to start from when the save directory has no checkpoint yet (a new run): a
+    checkpoint directory, e.g. the output of tools/import_hf.py. Only the model weights are
+    read; the iteration, the optimizer and the learning-rate schedule start fresh. Once the run
+    has saved, every relaunch (and Slurm requeue) resumes from its own latest checkpoint and
+    this key is ignored. Exclusive with load."""
     no_load_optim: bool = False
     """Load weights only (fine-tuning, or a layout change without optimizer state)."""
     keep_last: Optional[int] = None
@@ -374,6 +387,7 @@ def to_transformer_config(cfg: RunConfig, params_dtype: torch.dtype = torch.floa
         # (docs/design.md §10.6); unbatched p2p is correct everywhere, so it is used with vpp.
         batch_p2p_comm=not par.vpp,
         attention_backend=attention_backend_for_run(cfg)[0],
+        overlap_bottleneck_grad_reduce=par.overlap_bottleneck_grad_reduce,
     )
     kwargs.update(extra)
     return BoostTransformerConfig(**kwargs)

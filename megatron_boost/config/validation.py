@@ -231,12 +231,17 @@ def _check_output_dir(name: str, value: str) -> None:
 
 
 def _check_paths(cfg) -> None:
-    """Output directories writable, and ``checkpoint.load`` present, before anything is
-    written."""
+    """Output directories writable, and ``checkpoint.load`` / ``checkpoint.init_from`` present,
+    before anything is written."""
     _check_output_dir("logging.run_dir", cfg.logging.run_dir)
     _check_output_dir("checkpoint.save",
                       cfg.checkpoint.save or str(Path(cfg.logging.run_dir) / "checkpoints"))
-    load = cfg.checkpoint.load
-    if load and not Path(load).is_dir():
-        raise ValueError(f"checkpoint.load '{load}' is not a directory; give a save directory "
-                         "(with latest_checkpointed_iteration.txt) or one iter_* directory")
+    load, init_from = cfg.checkpoint.load, cfg.checkpoint.init_from
+    if load and init_from:
+        raise ValueError(f"checkpoint.load '{load}' and checkpoint.init_from '{init_from}' are "
+                         f"both set; keep init_from (start from its weights, resume from the "
+                         f"save directory on relaunch) or load (start from it on every launch)")
+    for key, value in (("checkpoint.load", load), ("checkpoint.init_from", init_from)):
+        if value and not Path(value).is_dir():
+            raise ValueError(f"{key} '{value}' is not a directory; give a save directory "
+                             "(with latest_checkpointed_iteration.txt) or one iter_* directory")

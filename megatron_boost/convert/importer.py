@@ -5,12 +5,16 @@ Full rank imports the weights as they are; low rank initialises every projection
 SVD, W ≈ B·A with B = U·√S and A = √S·Vᵀ (the best rank-r approximation, Eckart-Young), whose
 relative Frobenius error is sqrt(Σ_{i>r} s_i² / Σ s_i²) (printed per layer). A ``ColaForCausalLM``
 (our own export) imports its factors as they are, bit-exactly. The checkpoint is written by the
-trainer's save code at TP = 1 and reshards on load: start training from it with
-``checkpoint.load=<OUTPUT> checkpoint.no_load_optim=true``.
+trainer's save code at TP = 1 and reshards on load. Beside it, ``<OUTPUT>/train.yaml`` is a run
+configuration with the imported shape, the HF directory's own tokenizer (by default) and
+``checkpoint.init_from=<OUTPUT>``: training starts from the imported weights once, and every
+relaunch resumes from the run's own checkpoints.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import yaml
 
 from megatron_boost.convert import megatron_side as mb
 from megatron_boost.convert.export import attention_shape, prompt_ids
@@ -154,9 +159,22 @@ def _perplexities(model, hf_model, tokens: List[int]) -> Tuple[float, float]:
     return perplexity(source, len(tokens) - 1), perplexity(ours, len(tokens) - 1)
 
 
-def _run_config(hf: dict, config: str, overrides: Sequence[str]):
-    cfg = mb.load_run_config(config, [*overrides, *_shape_overrides(hf),
-                                       f"model.vocab_size={hf['vocab_size']}"])
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _tokenizer_overrides(hf_dir: Path, overrides: Sequence[str]) -> List[str]:
+    """The HF directory's own tokenizer, unless the command line names one: the imported model
+    keeps the ids it was trained with (the config's tokenizer file is not needed)."""
+    named = any(o.startswith("data.tokenizer_model=") for o in overrides)
+    if named or not any((hf_dir / f).is_file() for f in _HF_TOKENIZER_FILES):
+        return []
+    return ["data.tokenizer_type=huggingface", f"data.tokenizer_model={hf_dir}"]
+
+
+def _run_config(hf: dict, hf_dir: Path, config: Optional[str], overrides: Sequence[str]):
+    cfg = mb.load_run_config(config, [*_tokenizer_overrides(hf_dir, overrides), *overrides,
+                                      *_shape_overrides(hf),
+                                      f"model.vocab_size={hf['vocab_size']}"])
     if hf["model_type"] == "cola" and not mb.is_lowrank(cfg):
         raise ValueError("a ColaForCausalLM imports into a low-rank mode (parallel.mode naive "
                          "or boost); set parallel.mode=boost")
@@ -172,7 +190,7 @@ def _run_config(hf: dict, config: str, overrides: Sequence[str]):
     return cfg, rows
 
 
-def import_hf(hf_dir: str, output: str, config: str, overrides: Sequence[str] = (),
+def import_hf(hf_dir: str, output: str, config: Optional[str], overrides: Sequence[str] = (),
               sample_text: Optional[str] = None) -> dict:
     """Import; prints the error table and both perplexities, returns them with the path."""
     src, out = Path(hf_dir), Path(output)
@@ -180,7 +198,7 @@ def import_hf(hf_dir: str, output: str, config: str, overrides: Sequence[str] = 
         raise ValueError(f"output directory '{out}' already exists; remove it or choose "
                          f"another path (nothing is overwritten)")
     hf = read_hf_config(src)
-    cfg, rows = _run_config(hf, config, overrides)
+    cfg, rows = _run_config(hf, src, config, overrides)
     hf_model = load_hf_model(src)
     state, errors = read_hf_state_dict(hf_model), {}
     factors = _factor_source(cfg, hf, state, errors) if mb.is_lowrank(cfg) else None
@@ -208,5 +226,31 @@ def import_hf(hf_dir: str, output: str, config: str, overrides: Sequence[str] = 
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    run_yaml = write_training_config(cfg, out)
     return {"errors": errors, "ppl_source": ppl_source, "ppl_imported": ppl_ours,
-            "checkpoint": str(out)}
+            "checkpoint": str(out), "config": str(run_yaml),
+            "command": training_command(cfg, run_yaml)}
+
+
+def write_training_config(cfg, out: Path) -> Path:
+    """``<out>/train.yaml``: the run configuration with the imported shape (model dims, ranks,
+    tokenizer) and ``checkpoint.init_from=<out>``, so a training run starts from the imported
+    weights once and resumes from its own checkpoints on every relaunch."""
+    cfg = copy.deepcopy(cfg)
+    cfg.checkpoint.init_from, cfg.checkpoint.load, cfg.checkpoint.save = str(out), None, None
+    cfg.logging.run_dir = f"runs/{out.name}"
+    path = out / "train.yaml"
+    path.write_text(f"# Written by tools/import_hf.py: the imported model's shape; training "
+                    f"starts from the weights in {out}\n"
+                    + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    return path
+
+
+def training_command(cfg, run_yaml: Path) -> str:
+    """The command that trains the imported model (its layout's process count; the data
+    prefix stays a placeholder when the configuration names none)."""
+    procs = cfg.parallel.tp * cfg.parallel.pp
+    launch = (f"torchrun --nproc_per_node={procs} pretrain_lowrank.py" if procs > 1
+              else "python pretrain_lowrank.py")
+    data = "" if cfg.data.data_path or cfg.data.mock else " 'data.data_path=[PREFIX]'"
+    return f"{launch} --config {run_yaml}{data}"

@@ -178,8 +178,8 @@ def logits(model, tokens: torch.Tensor) -> torch.Tensor:
 def save_weights_as_checkpoint(cfg: RunConfig, weights: Dict[str, torch.Tensor],
                                vocab_rows: int, save_dir: str) -> str:
     """Write ``weights`` as iteration 0 of a trainer checkpoint (the trainer's own save code:
-    model, fresh optimizer and scheduler state, run config), loadable in any layout with
-    ``checkpoint.load=<save_dir> checkpoint.no_load_optim=true``."""
+    model, fresh optimizer and scheduler state, run config), a start for a run in any layout
+    with ``checkpoint.init_from=<save_dir>``."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     single = single_process_config(cfg)

@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
-from typing import Any
+import warnings
+from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["use_cpu", "restore_cuda", "is_cpu_mode", "maybe_use_cpu", "CudaToCpuMode"]
+__all__ = ["use_cpu", "restore_cuda", "is_cpu_mode", "maybe_use_cpu", "cuda_unusable_reason",
+           "CudaToCpuMode"]
 
 _LOCK = threading.Lock()
 # The active function mode (None when CPU mode is off) and every patch as
@@ -189,11 +192,31 @@ def _install_patches() -> None:
         _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
 
 
-def _cuda_usable() -> bool:
+def cuda_unusable_reason() -> Optional[str]:
+    """None when a CUDA device is usable, else why not, in words (for the one line that says
+    why a run falls back to the CPU)."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
-        return torch.cuda.is_available() and torch.cuda.device_count() > 0
-    except Exception:  # pragma: no cover - a broken driver counts as no GPU
-        return False
+        with warnings.catch_warnings(record=True) as caught:  # torch warns why, e.g. the driver
+            warnings.simplefilter("always")
+            available = torch.cuda.is_available()
+            count = torch.cuda.device_count() if available else 0
+    except Exception as err:  # a broken driver counts as no GPU
+        first_line = (str(err).strip().splitlines() or [repr(err)])[0]
+        return f"initialising CUDA failed: {first_line}"
+    if available and count > 0:
+        return None
+    if hidden is not None and not hidden.strip(","):
+        return f"CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU"
+    why = next((str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()),
+               "no NVIDIA driver, or no GPU visible to this process")
+    return f"torch.cuda.is_available() is False ({why})"
+
+
+def _cuda_usable() -> bool:
+    return cuda_unusable_reason() is None
 
 
 def use_cpu(force: bool = False) -> bool:
@@ -254,9 +277,10 @@ def maybe_use_cpu(device: str = "auto") -> str:
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device ({device!r}) must be one of 'auto', 'cpu', 'cuda'")
     if device == "cuda" or (device == "auto" and _cuda_usable()):
-        if not _cuda_usable():
-            raise RuntimeError("device='cuda' requested but no usable CUDA device was found; "
-                               "use device='cpu' (or 'auto') to run in CPU mode")
+        reason = cuda_unusable_reason()
+        if reason is not None:
+            raise RuntimeError(f"device='cuda' requested but CUDA is unusable: {reason}; fix "
+                               f"the GPU set-up, or use device='cpu' to run in CPU mode")
         return "cuda"
     use_cpu(force=True)
     return "cpu"

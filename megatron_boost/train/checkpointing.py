@@ -43,7 +43,7 @@ from megatron_boost.train.state import TrainState
 
 __all__ = ["TRACKER_FILE", "CHECKPOINT_FORMAT_VERSION", "Resumed", "checkpoint_state_dict",
            "save_checkpoint", "find_checkpoint", "verify_checkpoint", "load_checkpoint",
-           "check_format_version"]
+           "load_weights", "check_format_version"]
 
 #: Version of the checkpoint content; a checkpoint of another version is refused on load.
 CHECKPOINT_FORMAT_VERSION = 1
@@ -174,16 +174,31 @@ def _read_saved_state(ckpt_dir: Path, load_optim: bool, distributed: bool) -> di
     return saved
 
 
-def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg) -> dict:
+def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg, weights_only: bool = False) -> dict:
     """Every check that can fail before a tensor is read: files against the manifest, the
-    common state (format, optimizer kind), each model tensor's global shape, and the settings
-    that change no shape. Returns the checkpoint's ``boost_state``."""
+    common state (format, optimizer kind unless ``weights_only``), each model tensor's global
+    shape, and the settings that change no shape. Returns the checkpoint's ``boost_state``."""
     verify_manifest(ckpt_dir)
-    saved = _read_saved_state(ckpt_dir, not run_cfg.checkpoint.no_load_optim,
-                              run_cfg.parallel.use_distributed_optimizer)
+    load_optim = not (run_cfg.checkpoint.no_load_optim or weights_only)
+    saved = _read_saved_state(ckpt_dir, load_optim, run_cfg.parallel.use_distributed_optimizer)
     check_tensor_shapes(ckpt_dir, _model_sharded_state_dict(ddp_chunks))
     check_architecture(ckpt_dir, saved.get("run_config", {}), dataclasses.asdict(run_cfg))
     return saved
+
+
+def _set_model_weights(ddp_chunks, loaded: dict) -> None:
+    for key, chunk in zip(_model_keys(len(ddp_chunks)), ddp_chunks):
+        chunk.module.load_state_dict(loaded[key], strict=True)
+
+
+def load_weights(ckpt_dir: Path, ddp_chunks, optimizer) -> None:
+    """Only the model weights of a checkpoint (verified by :func:`verify_checkpoint` with
+    ``weights_only``), into any layout: ``checkpoint.init_from``. The optimizer state, the
+    schedule, the iteration and the RNG stay those of a fresh start."""
+    loaded = dist_checkpointing.load(_model_sharded_state_dict(ddp_chunks), str(ckpt_dir))
+    _set_model_weights(ddp_chunks, loaded)
+    if hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # main (fp32) params from the loaded weights
 
 
 def load_checkpoint(ckpt_dir: Path, saved: dict, ddp_chunks, optimizer, scheduler,
@@ -203,8 +218,7 @@ def load_checkpoint(ckpt_dir: Path, saved: dict, ddp_chunks, optimizer, schedule
     if same_layout:
         sd["rng_state"] = _rng_sharded_object(None)
     loaded = dist_checkpointing.load(sd, str(ckpt_dir))
-    for key, chunk in zip(_model_keys(len(ddp_chunks)), ddp_chunks):
-        chunk.module.load_state_dict(loaded[key], strict=True)
+    _set_model_weights(ddp_chunks, loaded)
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         finish_optimizer_load(optimizer)

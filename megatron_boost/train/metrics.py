@@ -81,11 +81,12 @@ def _fmt(value, spec: str) -> str:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+    """Binary units (powers of 1024), so labelled KiB, MiB, GiB, TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return f"{n:.1f} TB"
+    return f"{n:.1f} TiB"
 
 
 def format_log_line(record: dict, train_iters: int) -> str:

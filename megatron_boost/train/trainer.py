@@ -14,7 +14,8 @@ last one min_lr. On resume the configuration wins for every schedule parameter
 
 Run directory (``logging.run_dir``): ``metrics.jsonl`` and ``tensorboard/``
 (``train/metrics.py``), ``checkpoints/`` (default ``checkpoint.save``; a run resumes from the
-checkpoint named there, or from ``checkpoint.load``) and ``config.yaml``, the resolved
+checkpoint named there, or from ``checkpoint.load``; a new run may start from the weights of
+``checkpoint.init_from``) and ``config.yaml``, the resolved
 configuration. Pre-emption (SIGTERM, SIGUSR1; ``train/preemption.py``): all ranks agree at the
 next step boundary, save, print ``pre-emption signal received, checkpoint saved at iteration
 N`` and exit with status 0.
@@ -55,6 +56,7 @@ from megatron_boost.train.checkpointing import (
     checkpoint_state_dict,
     find_checkpoint,
     load_checkpoint,
+    load_weights,
     verify_checkpoint,
 )
 from megatron_boost.train.distributed import broadcast_from_last_stage, init_distributed, print0
@@ -209,14 +211,26 @@ class Trainer:
         if ck.load and ckpt is None:
             raise ValueError(f"checkpoint.load '{ck.load}' holds no checkpoint "
                              f"(no {TRACKER_FILE} and no metadata.json)")
+        if ckpt is None and ck.init_from:  # a new run starting from given weights
+            init = find_checkpoint(ck.init_from)
+            if init is None:
+                raise ValueError(f"checkpoint.init_from '{ck.init_from}' holds no checkpoint "
+                                 f"(no {TRACKER_FILE} and no metadata.json)")
+            return init, verify_checkpoint(init, self.model, self.cfg, weights_only=True), True
         if ckpt is None:
-            return None, None
-        return ckpt, verify_checkpoint(ckpt, self.model, self.cfg)
+            return None, None, False
+        return ckpt, verify_checkpoint(ckpt, self.model, self.cfg), False
 
-    def _resume(self, ckpt, saved):
+    def _resume(self, ckpt, saved, weights_only: bool):
         """The training state and the last saved iteration: from the verified checkpoint
-        ``ckpt``, if any, else a fresh start."""
+        ``ckpt``, if any, else a fresh start (with ``weights_only``: a fresh start from its
+        weights, checkpoint.init_from)."""
         if ckpt is None:
+            return TrainState(), None
+        if weights_only:
+            load_weights(ckpt, self.model, self.optimizer)
+            print0(f"initialised from the weights of {ckpt} (checkpoint.init_from: {self.save_dir}"
+                   f" has no checkpoint yet); iteration 0, fresh optimizer state and schedule")
             return TrainState(), None
         t0 = time.perf_counter()
         resumed = load_checkpoint(ckpt, saved, self.model, self.optimizer, self.scheduler,

@@ -1,0 +1,95 @@
+"""scripts/slurm/submit.sh: the configuration and data are checked for the requested layout
+before sbatch, so a typo fails at once with one error line instead of after the queue wait.
+
+sbatch is a stand-in on PATH that records its arguments (the real cluster runs the submitted
+script in tests/test_slurm.py and tests/test_slurm_training.py); what is tested here is whether
+and what submit.sh submits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUBMIT = REPO / "scripts" / "slurm" / "submit.sh"
+
+
+@pytest.fixture
+def fake_sbatch(tmp_path):
+    """A PATH whose sbatch records its arguments (one per line) in tmp_path/sbatch-args."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "sbatch-args"
+    (bin_dir / "sbatch").write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\necho "Submitted batch job 42"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    python_dir = str(Path(sys.executable).parent)  # the environment's python for --check
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NPROC_PER_NODE", "MBOOST_DEVICE", "PYTHON_ENV")}
+    env.update(PATH=f"{bin_dir}:{python_dir}:{env['PATH']}", PYTHONPATH=str(REPO))
+    return env, record
+
+
+def submit(env, *args, **extra_env):
+    return subprocess.run([str(SUBMIT), *map(str, args)], env={**env, **extra_env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(proc, *words):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_a_typo_fails_before_sbatch(fake_sbatch, tmp_path):
+    env, record = fake_sbatch
+    proc = submit(env, "--nodes=2", "--gpus-per-node=4", "configs/debug.yaml",
+                  "trainig.train_iters=4", f"logging.run_dir={tmp_path / 'run'}")
+    _one_error_line(proc, "unknown section 'trainig'")
+    assert not record.exists(), "submitted despite the error"
+
+
+def test_the_layout_is_checked_for_the_requested_world_size(fake_sbatch, tmp_path):
+    env, record = fake_sbatch
+    # 1 node × 3 GPUs: TP=2 does not divide the world size 3
+    proc = submit(env, "-N", "1", "--gpus-per-node", "h100:3", "configs/debug.yaml",
+                  "parallel.tp=2", f"logging.run_dir={tmp_path / 'run'}")
+    _one_error_line(proc, "world size (3) must be divisible by parallel.tp")
+    assert "world size 3" in proc.stdout
+    assert not record.exists()
+
+
+def test_missing_data_fails_before_sbatch(fake_sbatch, tmp_path):
+    env, record = fake_sbatch
+    proc = submit(env, "--gpus-per-node=1", "configs/debug.yaml", "data.mock=false",
+                  f"data.data_path=[{tmp_path / 'corpus'}]",
+                  f"data.tokenizer_model={tmp_path / 'tok.model'}",
+                  f"logging.run_dir={tmp_path / 'run'}")
+    _one_error_line(proc, str(tmp_path / "tok.model"))
+    assert not record.exists()
+
+
+def test_a_gpu_job_without_gpus_is_refused(fake_sbatch, tmp_path):
+    env, record = fake_sbatch
+    proc = submit(env, "configs/debug.yaml", f"logging.run_dir={tmp_path / 'run'}")
+    _one_error_line(proc, "no GPUs requested", "--gpus-per-node")
+    assert not record.exists()
+
+
+def test_a_valid_job_is_submitted_unchanged(fake_sbatch, tmp_path):
+    env, record = fake_sbatch
+    args = ["--nodes", "1", "--time", "0:10:00", "--partition=cpu", "configs/debug.yaml",
+            "parallel.tp=2", f"logging.run_dir={tmp_path / 'run'}"]
+    proc = submit(env, *args, MBOOST_DEVICE="cpu", NPROC_PER_NODE="2")
+    assert proc.returncode == 0, proc.stderr
+    assert "world size 2" in proc.stdout and "Submitted batch job 42" in proc.stdout
+    assert record.read_text().splitlines() == [
+        *args[:5], "scripts/slurm/pretrain.sbatch", *args[5:]]
+    assert (REPO / "logs").is_dir()  # pretrain.sbatch's --output directory
