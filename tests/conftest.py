@@ -56,3 +56,57 @@ def checkpoint(tmp_path_factory, tokenizer_model):
         return made[name]
 
     return get
+
+
+def _process_state() -> dict:
+    """What a test could leave switched on in this process for the tests after it: CPU mode's
+    patches and function mode (megatron_boost/runtime/cpu_mode.py), any other torch function
+    mode (e.g. a HostSyncCounter left entered), a patched ``torch.cuda.synchronize``, a process
+    group and megatron's model-parallel groups."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_boost.runtime import cpu_mode
+
+    state = {
+        "cpu mode": cpu_mode.is_cpu_mode(),
+        "cpu-mode patches": len(cpu_mode._STATE["patches"]),
+        "torch function modes": [type(m).__name__
+                                 for m in torch.overrides._get_current_function_mode_stack()],
+        "torch.cuda.synchronize": torch.cuda.synchronize,
+        "torch.cuda.current_device": torch.cuda.current_device,
+        "process group": dist.is_available() and dist.is_initialized(),
+    }
+    try:
+        from megatron.core import parallel_state
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        return state
+    state["megatron model-parallel groups"] = parallel_state.model_parallel_is_initialized()
+    return state
+
+
+def _reset_process_state() -> None:
+    """Undo what a leaking test left on, so that one offender fails alone."""
+    import torch.distributed as dist
+
+    from megatron_boost.runtime.cpu_mode import restore_cuda
+    from megatron_boost.train.distributed import shutdown
+
+    restore_cuda()
+    if dist.is_initialized():
+        shutdown()
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing_active(request):
+    """Every test must leave the process as it found it: no CPU mode, no patch, no function
+    mode, no process group. A test that leaves one fails here (and the state is reset, so the
+    tests after it run in a clean process)."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    if after != before:
+        changed = {k: (before.get(k), after.get(k)) for k in after if after.get(k) != before.get(k)}
+        _reset_process_state()
+        pytest.fail(f"{request.node.nodeid} left process state changed (before, after): "
+                    f"{changed}", pytrace=False)

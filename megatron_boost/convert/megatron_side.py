@@ -54,21 +54,26 @@ def is_lowrank(cfg: RunConfig) -> bool:
 @contextlib.contextmanager
 def single_process(seed: int = 1234) -> Iterator[None]:
     """A gloo world of one process in CPU mode with megatron's groups at TP = PP = 1, unless a
-    process group already exists (then that one is used as it is)."""
+    process group already exists (then that one is used as it is). On exit the world is closed
+    and CPU mode is switched off again if this context switched it on (a caller in the same
+    process, e.g. a test, finds the process as it was)."""
     import torch.distributed as dist
 
-    from megatron_boost.runtime.cpu_mode import use_cpu
+    from megatron_boost.runtime.cpu_mode import is_cpu_mode, restore_cuda, use_cpu
 
     if dist.is_initialized():
         yield
         return
+    cpu_mode_was_on = is_cpu_mode()
     use_cpu(force=True)
-    init_world_of_one("gloo")
     try:
+        init_world_of_one("gloo")
         initialize_parallel(1, 1, None, seed)
         yield
     finally:
         shutdown()  # megatron's groups and the process group
+        if not cpu_mode_was_on:
+            restore_cuda()
 
 
 def resolve_checkpoint(path: str) -> Path:
