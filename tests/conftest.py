@@ -1,5 +1,7 @@
 """Shared fixtures."""
 
+import sys
+
 import pytest
 
 
@@ -62,26 +64,25 @@ def _process_state() -> dict:
     """What a test could leave switched on in this process for the tests after it: CPU mode's
     patches and function mode (megatron_boost/runtime/cpu_mode.py), any other torch function
     mode (e.g. a HostSyncCounter left entered), a patched ``torch.cuda.synchronize``, a process
-    group and megatron's model-parallel groups."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_boost.runtime import cpu_mode
-
-    state = {
-        "cpu mode": cpu_mode.is_cpu_mode(),
-        "cpu-mode patches": len(cpu_mode._STATE["patches"]),
-        "torch function modes": [type(m).__name__
-                                 for m in torch.overrides._get_current_function_mode_stack()],
-        "torch.cuda.synchronize": torch.cuda.synchronize,
-        "torch.cuda.current_device": torch.cuda.current_device,
-        "process group": dist.is_available() and dist.is_initialized(),
-    }
-    try:
-        from megatron.core import parallel_state
-    except ImportError:  # pragma: no cover - megatron-core is a dependency
+    group and megatron's model-parallel groups. Modules not imported yet cannot hold any of it,
+    so they are not imported here (a test of plain text stays cheap)."""
+    state: dict = {}
+    torch = sys.modules.get("torch")
+    if torch is None:
         return state
-    state["megatron model-parallel groups"] = parallel_state.model_parallel_is_initialized()
+    state["torch function modes"] = [type(m).__name__ for m in
+                                     torch.overrides._get_current_function_mode_stack()]
+    state["torch.cuda.synchronize"] = torch.cuda.synchronize
+    state["torch.cuda.current_device"] = torch.cuda.current_device
+    dist = torch.distributed
+    state["process group"] = dist.is_available() and dist.is_initialized()
+    cpu_mode = sys.modules.get("megatron_boost.runtime.cpu_mode")
+    if cpu_mode is not None:
+        state["cpu mode"] = cpu_mode.is_cpu_mode()
+        state["cpu-mode patches"] = len(cpu_mode._STATE["patches"])
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        state["megatron model-parallel groups"] = parallel_state.model_parallel_is_initialized()
     return state
 
 
@@ -97,6 +98,10 @@ def _reset_process_state() -> None:
         shutdown()
 
 
+#: The state of a module first imported during a test, as it was before the import.
+_DEFAULTS = {"cpu mode": False, "cpu-mode patches": 0, "megatron model-parallel groups": False}
+
+
 @pytest.fixture(autouse=True)
 def leaves_nothing_active(request):
     """Every test must leave the process as it found it: no CPU mode, no patch, no function
@@ -105,8 +110,10 @@ def leaves_nothing_active(request):
     before = _process_state()
     yield
     after = _process_state()
-    if after != before:
-        changed = {k: (before.get(k), after.get(k)) for k in after if after.get(k) != before.get(k)}
+    # keys that appear only now (a module imported by the test) count from their default
+    changed = {k: (before.get(k, _DEFAULTS.get(k)), v) for k, v in after.items()
+               if v != before.get(k, _DEFAULTS.get(k, v))}
+    if changed:
         _reset_process_state()
         pytest.fail(f"{request.node.nodeid} left process state changed (before, after): "
                     f"{changed}", pytrace=False)
