@@ -223,6 +223,28 @@ def _remove(name: str):
     return damage
 
 
+def hf_dir(damage: Optional[Callable[[Path], None]] = None):
+    """Copy the shared random HF LLaMA into ``<case>/hf``, then ``damage(<case>/hf)``."""
+    def setup(ctx: Ctx):
+        shutil.copytree(ctx.shared / "hf", ctx.case / "hf")
+        if damage is not None:
+            damage(ctx.case / "hf")
+    return setup
+
+
+def _truncate_safetensors(hf: Path) -> None:
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _break_config_json(hf: Path) -> None:
+    # line 4 lacks the comma after line 3
+    (hf / "config.json").write_text('{\n  "model_type": "llama",\n  "hidden_size": 64\n'
+                                    '  "x": 1\n}')
+
+
+HF = ("transformers", "safetensors")
+
 DATA = ("data.mock=false", "data.tokenizer_model={tok}", "data.split='1,0,0'")
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +375,32 @@ CASES = [
          setup=checkpoint(_tracker("two\n")), uses_checkpoint=True, process=True),
     Case("tracker_missing_iteration", resume(), ("names iteration 99",),
          setup=checkpoint(_tracker("99\n")), uses_checkpoint=True),
+    # -- conversion and evaluation tools: arguments before loading, files by name ------------
+    Case("generate_negative_max_new_tokens",
+         tool("generate.py", "{case}/no_model", "--prompt", "x", "--max-new-tokens", "-3"),
+         ("--max-new-tokens", "-3", ">= 1")),
+    Case("generate_top_p_zero", tool("generate.py", "{case}/no_model", "--prompt", "x",
+                                     "--top-p", "0"), ("--top-p", "0", "(0, 1]")),
+    Case("evaluate_jsonl_without_text",
+         tool("evaluate.py", "{case}/no_model", "--input", "{case}/t.jsonl"),
+         ("t.jsonl:2", "'text'"), setup=write("t.jsonl", '{"text": "ok"}\n{"txt": "no"}\n')),
+    Case("evaluate_jsonl_not_json",
+         tool("evaluate.py", "{case}/no_model", "--input", "{case}/t.jsonl"),
+         ("t.jsonl:1", "not valid JSON"), setup=write("t.jsonl", "{text: 1}\n")),
+    Case("evaluate_truncated_safetensors",
+         tool("evaluate.py", "{case}/hf", "--input", "{shared}/corpus.txt"),
+         ("model.safetensors", "truncated"), setup=hf_dir(_truncate_safetensors), needs=HF),
+    Case("evaluate_malformed_config_json",
+         tool("evaluate.py", "{case}/hf", "--input", "{shared}/corpus.txt"),
+         ("config.json:4", "not valid JSON"), setup=hf_dir(_break_config_json), needs=HF),
+    Case("generate_truncated_safetensors", tool("generate.py", "{case}/hf", "--prompt", "x"),
+         ("model.safetensors", "truncated"), setup=hf_dir(_truncate_safetensors), needs=HF),
+    Case("import_truncated_safetensors",
+         tool("import_hf.py", "{case}/hf", "{case}/run", "--config", DEBUG),
+         ("model.safetensors", "truncated"), setup=hf_dir(_truncate_safetensors), needs=HF),
+    Case("import_malformed_config_json",
+         tool("import_hf.py", "{case}/hf", "{case}/run", "--config", DEBUG),
+         ("config.json:4", "not valid JSON"), setup=hf_dir(_break_config_json), needs=HF),
     # -- tools -----------------------------------------------------------------------------
     Case("preprocess_no_input", tool("preprocess_data.py", "--input", "{case}/none.txt",
                                      "--tokenizer-model", "{tok}", "--output-prefix",
@@ -394,10 +442,15 @@ CASES = [
 
 @pytest.fixture(scope="session")
 def shared_inputs(tmp_path_factory, request):
-    """The tokenizer, a corpus and (when a selected case needs it) one trained checkpoint."""
+    """The tokenizer, a corpus and (when a selected case needs them) one trained checkpoint
+    and a random HF LLaMA directory."""
     shared = tmp_path_factory.mktemp("bad_input_shared")
     _sentencepiece_model(shared)
     (shared / "corpus.txt").write_text("to be or not to be\n" * 50)
+    if any(HF == c.needs and not _missing_modules(c) for c in _selected_cases(request)):
+        from tests.convert_fixtures import random_llama
+
+        random_llama(shared / "hf")
     if any(c.uses_checkpoint for c in _selected_cases(request)):
         proc = subprocess.run(
             [sys.executable, ENTRY, "--config", DEBUG, "training.train_iters=3",

@@ -42,13 +42,30 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def read_text(path: str) -> str:
+    """The text to score: the file, or the ``text`` fields of a .jsonl file's records. A bad
+    record is reported with its file and line."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--input '{path}' does not exist")
-    if p.suffix == ".jsonl":
-        return "\n".join(json.loads(line)["text"] for line in p.read_text().splitlines()
-                         if line.strip())
-    return p.read_text()
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--input '{path}' is not UTF-8 text ({err})") from None
+    if p.suffix != ".jsonl":
+        return raw
+    texts = []
+    for lineno, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}:{lineno}: a .jsonl record must be an object with a "
+                             f"string 'text' field; give one per line")
+        texts.append(record["text"])
+    return "\n".join(texts)
 
 
 def _report(name: str, text: str, windows: list, total: float, seconds: float,

@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Iterator
 
+from megatron_boost.cli.arg_types import positive_int
 from megatron_boost.data.textfiles import expand_inputs
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -122,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json-key", default="text", help="text field of .jsonl records")
     parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin/.idx")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes")
     parser.add_argument("--append-eod", action="store_true", help="append eos to every document")
     parser.add_argument(
         "--split-sentences",

@@ -16,6 +16,7 @@ import argparse
 import os
 from typing import List, Optional
 
+from megatron_boost.cli.arg_types import positive_int
 from megatron_boost.cli.errors import USAGE_ERROR_EXIT_CODE, print_error
 from megatron_boost.train.resilience import RankTimeout, TrainingDiverged
 
@@ -42,7 +43,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "processes, then exit without training or writing anything (the "
                              "local launchers run this before torchrun, so a bad input ends in "
                              "one error line rather than torchrun's failure report)")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", type=positive_int, default=None,
                         help="with --check: the number of processes of the launch "
                              "(default: $WORLD_SIZE or 1)")
     return parser.parse_args(argv)
