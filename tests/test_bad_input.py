@@ -253,7 +253,8 @@ DATA = ("data.mock=false", "data.tokenizer_model={tok}", "data.split='1,0,0'")
 
 CASES = [
     # -- the YAML file ---------------------------------------------------------------------
-    Case("yaml_missing", train(config="{case}/nope.yaml"), ("nope.yaml", "does not exist"), process=True),
+    Case("yaml_missing", train(config="{case}/nope.yaml"), ("nope.yaml", "does not exist"),
+         process=True),
     Case("yaml_is_directory", train(config="{case}"), ("is a directory",)),
     Case("yaml_empty", train(config="{case}/c.yaml"), ("c.yaml", "is empty"),
          setup=write("c.yaml", "")),

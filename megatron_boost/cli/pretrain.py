@@ -4,10 +4,14 @@
     python pretrain_lowrank.py --config configs/debug.yaml        # one process, no torchrun
     python pretrain_lowrank.py --check --world-size 2 --config ...  # validate only (launchers)
 
-A ``ValueError`` (configuration, data, layout, checkpoint) ends the process with one line,
-``error: <message>`` on stderr, and exit status 2; a fault during training (too many
-consecutive non-finite steps, an unresponsive rank) with one such line and status 1
-(``MBOOST_TRACEBACK=1`` shows the traceback).
+A ``ValueError`` raised before training starts (configuration, data, layout, checkpoint) ends
+the process with one line, ``error: <message>`` on stderr, and exit status 2; a fault during
+training (too many consecutive non-finite steps, an unresponsive rank) with one such line and
+status 1 (``MBOOST_TRACEBACK=1`` shows the traceback). Any other error during training,
+``ValueError`` included, is not a usage error: it ends in its traceback (status 1). Errors of
+the configuration are the same on every rank and printed by rank 0 alone; an error raised once
+the processes have started (set-up or training) is printed by every rank that raised it, a
+rank other than 0 naming itself (``error: rank 1: ...``).
 """
 
 from __future__ import annotations
@@ -70,17 +74,23 @@ def select_device(requested: str) -> str:
         raise ValueError(str(err)) from None
 
 
-def _print_error(err: Exception) -> None:
-    """One ``error:`` line. Configuration, data and divergence errors are raised identically
-    on every rank, so only global rank 0 prints them; a timeout is reported by the rank that
-    saw it."""
-    if isinstance(err, RankTimeout) or int(os.environ.get("RANK", "0")) == 0:
+def _print_error(err: Exception, started: bool) -> None:
+    """One ``error:`` line per rank that has something to say. Before the processes start
+    (``started`` False: the configuration) and for a divergence (decided by an all-reduce)
+    every rank raises the same error, so only global rank 0 prints it. Otherwise each rank
+    prints its own, a rank other than 0 with its rank: it may be the only one that failed."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print_error(err)
+    elif isinstance(err, RankTimeout) or (started and not isinstance(err, TrainingDiverged)):
+        print_error(err, rank=rank)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: parse, load and validate the config for this launch, train."""
     args = parse_args(argv)
+    started = False  # the processes have started: groups, model, data (set-up, then training)
+    cpu_mode_was_on = _cpu_mode_is_on()
     try:
         from megatron_boost.config.run import load_run_config
 
@@ -92,16 +102,31 @@ def main(argv: Optional[List[str]] = None) -> int:
         device = select_device(cfg.training.device)
         from megatron_boost.train.trainer import train
 
+        started = True
         return train(cfg, device)
     except (ValueError, TrainingDiverged, RankTimeout) as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise
-        _print_error(err)
+        _print_error(err, started)
         return CONFIG_ERROR_EXIT_CODE if isinstance(err, ValueError) else FAULT_EXIT_CODE
     finally:
         from megatron_boost.train.distributed import shutdown
 
         shutdown()
+        if not cpu_mode_was_on:  # main(argv) called in a process that goes on (tests)
+            _leave_cpu_mode()
+
+
+def _cpu_mode_is_on() -> bool:
+    from megatron_boost.runtime.cpu_mode import is_cpu_mode
+
+    return is_cpu_mode()
+
+
+def _leave_cpu_mode() -> None:
+    from megatron_boost.runtime.cpu_mode import restore_cuda
+
+    restore_cuda()
 
 
 if __name__ == "__main__":
