@@ -18,6 +18,8 @@ from megatron_boost.perf.published import PUBLISHED_SETUP, compare_published
 from megatron_boost.perf.report import format_published
 from megatron_boost.perf.search import recommend
 
+pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "tools", "perf_model.py")
 

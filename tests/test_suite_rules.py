@@ -14,6 +14,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 _BLOCKING = {"run", "check_output", "check_call", "call"}

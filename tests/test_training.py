@@ -136,6 +136,7 @@ def test_end_to_end_metrics_and_checkpoint(base):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_resume_reproduces_uninterrupted_run_exactly(base, tmp_path):
     run_dir, _ = base
     ckpt = run_dir / "checkpoints" / "iter_0000003"
