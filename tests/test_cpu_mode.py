@@ -108,3 +108,21 @@ def test_restore_cuda_undoes_every_patch():
         assert use_cpu(force=True) and torch.zeros(3, device="cuda").device.type == "cpu"
     finally:
         restore_cuda()
+
+
+def test_cpu_mode_left_as_found():
+    """Switched off again on exit when it was off on entry; left on when it was on."""
+    from megatron_boost.runtime.cpu_mode import (cpu_mode_left_as_found, is_cpu_mode,
+                                                 restore_cuda, use_cpu)
+
+    with cpu_mode_left_as_found():
+        use_cpu(force=True)
+        assert is_cpu_mode()
+    assert not is_cpu_mode()
+    try:
+        use_cpu(force=True)
+        with cpu_mode_left_as_found():
+            use_cpu(force=True)
+        assert is_cpu_mode()
+    finally:
+        restore_cuda()

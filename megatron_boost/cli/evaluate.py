@@ -109,6 +109,7 @@ def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
     from megatron_boost.cli.pretrain import select_device
     from megatron_boost.convert import megatron_side as mb
     from megatron_boost.convert.text_eval import layout_summed_loss, text_windows
+    from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found
 
     ckpt = mb.resolve_checkpoint(path)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
@@ -117,7 +118,8 @@ def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
         raise ValueError(f"{ckpt} was trained without a tokenizer (mock data); text needs one")
     seq, par = cfg.model.seq_length, cfg.parallel
     windows = text_windows(list(mb.build_tokenizer(cfg.data).tokenize(text)), seq)
-    with mb.launched_world(cfg, select_device(cfg.training.device)) as device:
+    with cpu_mode_left_as_found(), \
+            mb.launched_world(cfg, select_device(cfg.training.device)) as device:
         chunks = mb.launched_model(cfg, ckpt, device)
         start = time.perf_counter()
         total = layout_summed_loss(chunks, windows, cfg, device, progress=lambda batches: tqdm(

@@ -90,7 +90,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: parse, load and validate the config for this launch, train."""
     args = parse_args(argv)
     started = False  # the processes have started: groups, model, data (set-up, then training)
-    cpu_mode_was_on = _cpu_mode_is_on()
+    from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found
+
     try:
         from megatron_boost.config.run import load_run_config
 
@@ -99,11 +100,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.check:
             check_launch(cfg)
             return 0
-        device = select_device(cfg.training.device)
-        from megatron_boost.train.trainer import train
+        with cpu_mode_left_as_found():  # main(argv) may be called in a process that goes on
+            device = select_device(cfg.training.device)
+            from megatron_boost.train.trainer import train
 
-        started = True
-        return train(cfg, device)
+            started = True
+            return train(cfg, device)
     except (ValueError, TrainingDiverged, RankTimeout) as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise
@@ -113,20 +115,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         from megatron_boost.train.distributed import shutdown
 
         shutdown()
-        if not cpu_mode_was_on:  # main(argv) called in a process that goes on (tests)
-            _leave_cpu_mode()
-
-
-def _cpu_mode_is_on() -> bool:
-    from megatron_boost.runtime.cpu_mode import is_cpu_mode
-
-    return is_cpu_mode()
-
-
-def _leave_cpu_mode() -> None:
-    from megatron_boost.runtime.cpu_mode import restore_cuda
-
-    restore_cuda()
 
 
 if __name__ == "__main__":

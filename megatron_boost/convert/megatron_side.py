@@ -59,21 +59,19 @@ def single_process(seed: int = 1234) -> Iterator[None]:
     process, e.g. a test, finds the process as it was)."""
     import torch.distributed as dist
 
-    from megatron_boost.runtime.cpu_mode import is_cpu_mode, restore_cuda, use_cpu
+    from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found, use_cpu
 
     if dist.is_initialized():
         yield
         return
-    cpu_mode_was_on = is_cpu_mode()
-    use_cpu(force=True)
-    try:
-        init_world_of_one("gloo")
-        initialize_parallel(1, 1, None, seed)
-        yield
-    finally:
-        shutdown()  # megatron's groups and the process group
-        if not cpu_mode_was_on:
-            restore_cuda()
+    with cpu_mode_left_as_found():
+        use_cpu(force=True)
+        try:
+            init_world_of_one("gloo")
+            initialize_parallel(1, 1, None, seed)
+            yield
+        finally:
+            shutdown()  # megatron's groups and the process group
 
 
 def resolve_checkpoint(path: str) -> Path:
