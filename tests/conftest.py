@@ -1,8 +1,11 @@
 """Shared fixtures."""
 
+import os
 import sys
 
 import pytest
+
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="session")
@@ -64,9 +67,10 @@ def _process_state() -> dict:
     """What a test could leave switched on in this process for the tests after it: CPU mode's
     patches and function mode (megatron_boost/runtime/cpu_mode.py), any other torch function
     mode (e.g. a HostSyncCounter left entered), a patched ``torch.cuda.synchronize``, a process
-    group and megatron's model-parallel groups. Modules not imported yet cannot hold any of it,
+    group, megatron's model-parallel groups and torchrun's variables in the environment (a
+    later subprocess would try to join that world). Modules not imported yet cannot hold any of it,
     so they are not imported here (a test of plain text stays cheap)."""
-    state: dict = {}
+    state: dict = {"torch.distributed variables": {k: os.environ.get(k) for k in _DIST_ENV}}
     torch = sys.modules.get("torch")
     if torch is None:
         return state
