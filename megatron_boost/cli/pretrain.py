@@ -90,10 +90,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: parse, load and validate the config for this launch, train."""
     args = parse_args(argv)
     started = False  # the processes have started: groups, model, data (set-up, then training)
-    from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found
-
     try:
         from megatron_boost.config.run import load_run_config
+        from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found
 
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
         cfg = load_run_config(args.config, args.overrides, world_size=world_size)
