@@ -11,7 +11,8 @@ checkpoint and a few tools. Every case must:
 * exit non-zero (2 where the input is a usage or configuration error),
 * print exactly one line starting ``error:`` (argparse's ``<prog>: error:`` counts) on stdout or
   stderr, containing every needle of the case (the value and the rule it breaks) and none of
-  its ``forbid`` strings,
+  its ``forbid`` strings (under torchrun, the other ranks may repeat the same message as
+  ``error: rank N: ...``, cli/pretrain.py: nothing else),
 * print no Python traceback (the torchrun launcher's own ``ChildFailedError`` report is not the
   program's and is cut before checking),
 * write nothing: the run directory is not created and any checkpoint it was given is unchanged
@@ -53,6 +54,7 @@ from tests.test_training import DEBUG, ENTRY, ROOT, _env, _sentencepiece_model
 TIMEOUT = 240
 PARALLEL_CASES = 3
 ERROR_LINE = re.compile(r"^(\S+: )?error: ")
+RANKED_ERROR_LINE = re.compile(r"^error: rank \d+: ")
 
 
 @dataclass
@@ -591,8 +593,13 @@ def test_bad_input_is_one_clear_error(case, results):
     assert proc.returncode != 0, shown
     if case.code is not None:
         assert proc.returncode == case.code, shown
-    errors = [line for line in text.splitlines() if ERROR_LINE.match(line)]
+    lines = [line for line in text.splitlines() if ERROR_LINE.match(line)]
+    # under torchrun an error raised once the ranks have started is printed by every rank that
+    # raised it, ranks other than 0 naming themselves: the same message counts once
+    errors = [line for line in lines if not RANKED_ERROR_LINE.match(line)]
     assert len(errors) == 1, shown
+    assert all(RANKED_ERROR_LINE.sub("error: ", line) == errors[0]
+               for line in lines if line not in errors), shown
     print(f"\n[{case.name}] exit {proc.returncode} ({outcome['seconds']:.1f} s"
           f"{', a process' if case.process else ''}): {errors[0]}")  # the table, with -s
     for needle in case.needles:
