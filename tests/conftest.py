@@ -1,11 +1,13 @@
 """Shared fixtures."""
 
 import os
+import signal
 import sys
 
 import pytest
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's pre-emption signals
 
 
 @pytest.fixture(scope="session")
@@ -67,10 +69,11 @@ def _process_state() -> dict:
     """What a test could leave switched on in this process for the tests after it: CPU mode's
     patches and function mode (megatron_boost/runtime/cpu_mode.py), any other torch function
     mode (e.g. a HostSyncCounter left entered), a patched ``torch.cuda.synchronize``, a process
-    group, megatron's model-parallel groups and torchrun's variables in the environment (a
-    later subprocess would try to join that world). Modules not imported yet cannot hold any of it,
+    group, megatron's model-parallel groups, torchrun's variables in the environment (a
+    later subprocess would try to join that world) and the pre-emption signal handlers. Modules not imported yet cannot hold any of it,
     so they are not imported here (a test of plain text stays cheap)."""
-    state: dict = {"torch.distributed variables": {k: os.environ.get(k) for k in _DIST_ENV}}
+    state: dict = {"torch.distributed variables": {k: os.environ.get(k) for k in _DIST_ENV},
+                   "signal handlers": [signal.getsignal(s) for s in _SIGNALS]}
     torch = sys.modules.get("torch")
     if torch is None:
         return state

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from megatron_boost.cli import pretrain
@@ -22,18 +20,7 @@ from megatron_boost.train.resilience import RankTimeout, TrainingDiverged
 from tests.test_training import DEBUG
 
 
-@pytest.fixture
-def default_signal_handlers():
-    """The trainer installs SIGTERM/SIGUSR1 handlers for its process; put the test process's
-    back."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
-def test_value_error_during_training_is_not_a_usage_error(tmp_path, monkeypatch, capsys,
-                                                          default_signal_handlers):
+def test_value_error_during_training_is_not_a_usage_error(tmp_path, monkeypatch, capsys):
     from megatron_boost.train.trainer import Trainer, TrainingError
 
     calls = []

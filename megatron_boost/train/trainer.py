@@ -77,6 +77,7 @@ from megatron_boost.train.resilience import (
 from megatron_boost.train.preemption import (
     PREEMPT_EXIT_CODE,
     install_signal_handlers,
+    restore_signal_handlers,
     preemption_agreed,
     signal_name,
 )
@@ -91,7 +92,7 @@ def train(cfg, device: str) -> int:
     (``RunConfig.validate(world_size)``), on ``device`` ('cuda' or 'cpu'). Returns the exit
     status."""
     init_distributed(device, process_group_timeout(cfg.parallel.timeout_minutes))
-    install_signal_handlers()
+    previous_handlers = install_signal_handlers()
     try:
         trainer = Trainer(cfg, device)  # every input is checked here: ValueError = bad input
         try:
@@ -101,6 +102,7 @@ def train(cfg, device: str) -> int:
                                 f"{err}") from err
     finally:
         destroy_num_microbatches_calculator()
+        restore_signal_handlers(previous_handlers)
 
 
 class TrainingError(RuntimeError):
