@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# The test command: set up (or reuse) the environment, then run the whole pytest suite.
+# The test command: set up (or reuse) the environment, then run the pytest suite.
+#   scripts/test.sh          everything (CI)
+#   scripts/test.sh --fast   the fast tier only (pytest -m fast; docs/testing.md)
 # Extra arguments go to pytest (e.g. scripts/test.sh -k layers -x).
 set -euo pipefail
+tier=()
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  tier=(-m fast)
+fi
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh
 # Slurm for tests/test_slurm.py: a real scheduler on this machine (those tests skip without it).
@@ -30,4 +37,4 @@ if [ "$slurm_missing" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
 fi
 # shellcheck disable=SC1091
 . "${VENV:-.venv}/bin/activate"
-python -m pytest -q "$@"
+python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"

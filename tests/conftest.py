@@ -1,6 +1,13 @@
 """Shared fixtures."""
 
+import os
+import signal
+import sys
+
 import pytest
+
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's pre-emption signals
 
 
 @pytest.fixture(scope="session")
@@ -56,3 +63,64 @@ def checkpoint(tmp_path_factory, tokenizer_model):
         return made[name]
 
     return get
+
+
+def _process_state() -> dict:
+    """What a test could leave switched on in this process for the tests after it: CPU mode's
+    patches and function mode (megatron_boost/runtime/cpu_mode.py), any other torch function
+    mode (e.g. a HostSyncCounter left entered), a patched ``torch.cuda.synchronize``, a process
+    group, megatron's model-parallel groups, torchrun's variables in the environment (a
+    later subprocess would try to join that world) and the pre-emption signal handlers. Modules not imported yet cannot hold any of it,
+    so they are not imported here (a test of plain text stays cheap)."""
+    state: dict = {"torch.distributed variables": {k: os.environ.get(k) for k in _DIST_ENV},
+                   "signal handlers": [signal.getsignal(s) for s in _SIGNALS]}
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return state
+    state["torch function modes"] = [type(m).__name__ for m in
+                                     torch.overrides._get_current_function_mode_stack()]
+    state["torch.cuda.synchronize"] = torch.cuda.synchronize
+    state["torch.cuda.current_device"] = torch.cuda.current_device
+    dist = torch.distributed
+    state["process group"] = dist.is_available() and dist.is_initialized()
+    cpu_mode = sys.modules.get("megatron_boost.runtime.cpu_mode")
+    if cpu_mode is not None:
+        state["cpu mode"] = cpu_mode.is_cpu_mode()
+        state["cpu-mode patches"] = len(cpu_mode._STATE["patches"])
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        state["megatron model-parallel groups"] = parallel_state.model_parallel_is_initialized()
+    return state
+
+
+def _reset_process_state() -> None:
+    """Undo what a leaking test left on, so that one offender fails alone."""
+    import torch.distributed as dist
+
+    from megatron_boost.runtime.cpu_mode import restore_cuda
+    from megatron_boost.train.distributed import shutdown
+
+    restore_cuda()
+    if dist.is_initialized():
+        shutdown()
+
+
+#: The state of a module first imported during a test, as it was before the import.
+_DEFAULTS = {"cpu mode": False, "cpu-mode patches": 0, "megatron model-parallel groups": False}
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing_active(request):
+    """Every test must leave the process as it found it: no CPU mode, no patch, no function
+    mode, no process group. A test that leaves one fails here (and the state is reset, so the
+    tests after it run in a clean process)."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    # keys that appear only now (a module imported by the test) count from their default
+    changed = {k: (before.get(k, _DEFAULTS.get(k)), v) for k, v in after.items()
+               if v != before.get(k, _DEFAULTS.get(k, v))}
+    if changed:
+        _reset_process_state()
+        pytest.fail(f"{request.node.nodeid} left process state changed (before, after): "
+                    f"{changed}", pytrace=False)

@@ -12,6 +12,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+#: Seconds a tokenizer training or a torchrun launch of these tests may take (a few on an idle
+#: 2-core machine; the bound only turns a hang into a failure).
+TIMEOUT = 600
 
 #: Trainer checkpoints of every kind of layout: name -> (processes, overrides).
 LAYOUTS = {
@@ -39,7 +42,8 @@ def train_tokenizer(d: Path, vocab_size: int = 400) -> str:
     (d / "text.txt").write_text(sample_text())
     subprocess.run([sys.executable, str(ROOT / "tools/train_tokenizer.py"), "--input",
                     str(d / "text.txt"), "--vocab-size", str(vocab_size), "--model-prefix",
-                    str(d / "tok"), "--num-threads", "1"], check=True, capture_output=True)
+                    str(d / "tok"), "--num-threads", "1"], check=True, capture_output=True,
+                   timeout=TIMEOUT)
     return str(d / "tok.model")
 
 
@@ -48,7 +52,7 @@ def torchrun(nproc: int, script: str, args: List[str]) -> str:
     of both streams unless every rank exits 0)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([TORCHRUN, f"--nproc_per_node={nproc}", str(ROOT / script), *args],
-                          env=env, capture_output=True, text=True)
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

@@ -19,6 +19,8 @@ import torch
 
 from megatron_boost.runtime.spawn import run_distributed
 
+pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
+
 S, B, HEADS, E = 16, 2, 4, 8
 TOL = 1e-5
 

@@ -18,6 +18,8 @@ from megatron_boost.train.checkpoint_guard import (
     verify_manifest,
 )
 
+pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
+
 
 def _save(save_dir: Path, iteration: int) -> Path:
     """A fake checkpoint written into its temp directory and committed."""

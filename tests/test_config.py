@@ -7,6 +7,8 @@ import pytest
 from megatron_boost.config.run import load_run_config, reference_yaml, to_transformer_config
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
 
+pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -92,6 +92,7 @@ def test_exported_tokenizer_gives_training_ids(checkpoint, tmp_path, tokenizer_m
     assert hf_tok(" Hello")["input_ids"] == list(ours.tokenize(" Hello"))
 
 
+@pytest.mark.compat
 def test_hf_model_reproduces_megatron_and_catches_a_transposed_weight(checkpoint, tmp_path):
     from megatron_boost.convert.export import compare_with_hf
     from megatron_boost.convert.hf_dir import load_hf_model
@@ -157,6 +158,7 @@ def hf_logits(hf_dir, tokens):
 TOKENS = torch.arange(3, 35).remainder(256).unsqueeze(0)  # [1, 32]
 
 
+@pytest.mark.compat
 def test_import_full_rank_is_exact(tmp_path):
     hf = random_llama(tmp_path / "llama")
     assert import_(hf, tmp_path / "ckpt", "parallel.mode=full") == 0
@@ -164,6 +166,7 @@ def test_import_full_rank_is_exact(tmp_path):
     assert (ours - theirs).abs().max() < EXACT
 
 
+@pytest.mark.compat
 def test_import_at_full_rank_with_identity_is_exact(tmp_path):
     hf = random_llama(tmp_path / "llama", num_key_value_heads=4)  # every min(in, out) = 64
     assert import_(hf, tmp_path / "ckpt", "model.attn_rank=64", "model.mlp_rank=64",
@@ -172,6 +175,7 @@ def test_import_at_full_rank_with_identity_is_exact(tmp_path):
     assert (ours - theirs).abs().max() < EXACT
 
 
+@pytest.mark.compat
 def test_import_low_rank_reports_the_svd_tail_energy(tmp_path):
     from safetensors.torch import load_file
 
@@ -190,6 +194,23 @@ def test_import_low_rank_reports_the_svd_tail_energy(tmp_path):
         assert error == pytest.approx(tail, rel=1e-9), (layer, proj)
 
 
+@pytest.mark.fast
+@pytest.mark.compat
+def test_hf_round_trip_through_a_boost_checkpoint_keeps_the_logits(tmp_path, tokenizer_model):
+    """HF LLaMA -> import (boost at full rank, exact) -> export -> HF: the exported model gives
+    the source model's logits (an independent reference: no trainer, no megatron on the
+    compared side). The fast tier's export round trip."""
+    hf = random_llama(tmp_path / "llama", num_key_value_heads=4, vocab_size=512)
+    tok = f"data.tokenizer_model={tokenizer_model}"
+    assert import_(hf, tmp_path / "ckpt", *BOOST_AT_FULL_RANK, tok) == 0
+    assert export(tmp_path / "ckpt", tmp_path / "back") == 0
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["architectures"] == ["ColaForCausalLM"]  # the boost factors, not a fold
+    delta = (hf_logits(tmp_path / "back", TOKENS) - hf_logits(hf, TOKENS)).abs().max()
+    assert delta < EXACT, delta
+
+
+@pytest.mark.compat
 def test_export_import_round_trip_is_bit_exact(checkpoint, tmp_path, tokenizer_model):
     ckpt = checkpoint("boost_tp2_pp2")
     assert export(ckpt, tmp_path / "hf") == 0

@@ -66,15 +66,18 @@ def test_megatron_gpt_runs_on_cpu_tp2_pp2():
 
 
 def test_use_cpu_is_idempotent_and_maps_devices():
-    from megatron_boost.runtime.cpu_mode import is_cpu_mode, use_cpu
+    from megatron_boost.runtime.cpu_mode import is_cpu_mode, restore_cuda, use_cpu
 
-    assert use_cpu(force=True) and use_cpu(force=True)
-    assert is_cpu_mode()
-    t = torch.zeros(3, device="cuda")
-    assert t.device.type == "cpu"
-    assert t.type() == "torch.cuda.FloatTensor"
-    assert torch.cuda.current_device() == 0
-    assert t.cuda() is t
+    try:
+        assert use_cpu(force=True) and use_cpu(force=True)
+        assert is_cpu_mode()
+        t = torch.zeros(3, device="cuda")
+        assert t.device.type == "cpu"
+        assert t.type() == "torch.cuda.FloatTensor"
+        assert torch.cuda.current_device() == 0
+        assert t.cuda() is t
+    finally:
+        restore_cuda()  # leave the process as it was for the tests after this one
 
 
 def _patched_namespaces():
@@ -88,7 +91,6 @@ def _patched_namespaces():
 def test_restore_cuda_undoes_every_patch():
     from megatron_boost.runtime.cpu_mode import CudaToCpuMode, is_cpu_mode, restore_cuda, use_cpu
 
-    restore_cuda()  # an earlier test in this process may have left CPU mode on
     before = [dict(vars(ns)) for ns in _patched_namespaces()]
     use_cpu(force=True)
     assert torch.cuda.current_device is not before[0]["current_device"]
@@ -102,7 +104,10 @@ def test_restore_cuda_undoes_every_patch():
     assert not any(isinstance(m, CudaToCpuMode) for m in stack)
     assert torch.zeros(3).type() == "torch.FloatTensor"
     # And it can be activated again.
-    assert use_cpu(force=True) and torch.zeros(3, device="cuda").device.type == "cpu"
+    try:
+        assert use_cpu(force=True) and torch.zeros(3, device="cuda").device.type == "cpu"
+    finally:
+        restore_cuda()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,3 +175,21 @@ def test_auto_falling_back_to_the_cpu_says_why_in_one_line():
                       f"({reason}); set training.device=cuda to make this an error, or "
                       f"training.device=cpu to silence this line"), out
     assert out[3:] == ["auto -> cpu"], out
+
+
+def test_cpu_mode_left_as_found():
+    """Switched off again on exit when it was off on entry; left on when it was on."""
+    from megatron_boost.runtime.cpu_mode import (cpu_mode_left_as_found, is_cpu_mode,
+                                                 restore_cuda, use_cpu)
+
+    with cpu_mode_left_as_found():
+        use_cpu(force=True)
+        assert is_cpu_mode()
+    assert not is_cpu_mode()
+    try:
+        use_cpu(force=True)
+        with cpu_mode_left_as_found():
+            use_cpu(force=True)
+        assert is_cpu_mode()
+    finally:
+        restore_cuda()

@@ -65,7 +65,7 @@ def run_tool(script: str, *args: str, check: bool = True) -> subprocess.Complete
         [sys.executable, os.path.join(TOOLS, script), *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # bounds a hang only (seconds alone; minutes on a busy machine)
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

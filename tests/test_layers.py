@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from megatron_boost.runtime.spawn import run_distributed
 
+pytestmark = [pytest.mark.fast, pytest.mark.compat]  # the tiers: docs/testing.md
+
 S, B, D, HEADS, FFN, HN = 8, 2, 64, 8, 96, 8
 R_ATTN, R_MLP = 16, 24
 KINDS = ("qkv_mha", "qkv_gqa", "fc1", "proj", "fc2")

@@ -83,7 +83,7 @@ def test_lm_eval_multiple_choice_equals_our_loglikelihoods(checkpoint, tmp_path)
          f"pretrained={hf},trust_remote_code=True,dtype=float32", "--tasks", "tiny_choice",
          "--include_path", str(data.parent), "--device", "cpu", "--batch_size", "1",
          "--output_path", str(tmp_path / "out"), "--log_samples"],
-        env=env, capture_output=True, text=True)
+        env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     row = next(l for l in proc.stdout.splitlines() if l.startswith("|tiny_choice"))
     cells = [c.strip() for c in row.split("|")]

@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 
 from megatron_boost.runtime.spawn import run_distributed
+import pytest
+
+pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
 
 S, B, D, FFN, RANK = 8, 2, 64, 96, 24
 

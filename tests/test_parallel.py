@@ -8,7 +8,9 @@ the matching slice of the one-process gradient (except with the distributed opti
 each DP rank holds only its shard of the reduced buffer), the global gradient norm, and every
 parameter after one optimizer step. Tolerances: megatron_boost.verification.TOLERANCES.
 
-Layouts are grouped by world size so that one set of processes runs several of them.
+Layouts are grouped by world size so that one set of processes runs several of them; only the
+layouts of the selected tests are run (the fast tier selects the TP=2 layout of each mode and
+one negative control).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from megatron_boost.verification import (
     run_many,
 )
 from megatron_boost.runtime.spawn import run_distributed
+
+pytestmark = pytest.mark.compat
+
+#: The fast tier's smoke: TP=2 in each mode, and a negative control that must be caught.
+FAST = {"boost-tp2", "naive-tp2", "full-tp2", "NEG-boost-tp2"}
 
 MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=8,
              num_query_groups=4, vocab_size=100, attn_rank=8, mlp_rank=8)
@@ -72,10 +79,21 @@ def _ref_key(spec: LayoutSpec):
     return (r.mode, tuple(sorted(r.model.items())))
 
 
+def _selected_layouts(request) -> set:
+    """The layout names of this module's selected tests."""
+    return {item.callspec.params["name"] for item in request.session.items
+            if item.module is request.module and hasattr(item, "callspec")
+            and "name" in item.callspec.params}
+
+
 @pytest.fixture(scope="module")
-def results():
+def results(request):
+    selected = _selected_layouts(request)
+    boost1 = L("boost")
+    wanted = [(n, w, spec) for n, w, spec in LAYOUTS if n in selected]
     refs_needed = {}
-    for _, _, spec in LAYOUTS:
+    for _, _, spec in wanted + ([("", 1, boost1)] if "boost-tp1-vs-naive-tp1" in selected
+                                else []):
         refs_needed.setdefault(_ref_key(spec), reference_spec(spec))
     # The one-process references, plus boost at TP=1 against naive at TP=1.
     ref_specs = list(refs_needed.values())
@@ -83,15 +101,21 @@ def results():
     refs = dict(zip(refs_needed.keys(), ref_out))
     out = {}
     for world in (2, 4):
-        layouts = [(name, spec) for name, w, spec in LAYOUTS if w == world]
+        layouts = [(name, spec) for name, w, spec in wanted if w == world]
+        if not layouts:
+            continue
         jobs = [(spec, refs[_ref_key(spec)]) for _, spec in layouts]
         per_rank = run_distributed(run_many, world, jobs, timeout=600)
         for i, (name, _) in enumerate(layouts):
             out[name] = [rank_results[i] for rank_results in per_rank]
-    boost1 = L("boost")
-    out["boost-tp1-vs-naive-tp1"] = run_distributed(
-        run_layout, 1, boost1, refs[_ref_key(boost1)])
+    if "boost-tp1-vs-naive-tp1" in selected:
+        out["boost-tp1-vs-naive-tp1"] = run_distributed(
+            run_layout, 1, boost1, refs[_ref_key(boost1)])
     return out
+
+
+def _params(names):
+    return [pytest.param(n, marks=pytest.mark.fast) if n in FAST else n for n in names]
 
 
 def _worst(per_rank, field):
@@ -99,8 +123,8 @@ def _worst(per_rank, field):
     return max(values) if values else None
 
 
-@pytest.mark.parametrize("name", [n for n, _, _ in LAYOUTS if not n.startswith("NEG")]
-                         + ["boost-tp1-vs-naive-tp1"])
+@pytest.mark.parametrize("name", _params([n for n, _, _ in LAYOUTS if not n.startswith("NEG")]
+                                         + ["boost-tp1-vs-naive-tp1"]))
 def test_layout_equals_one_process(results, name):
     per_rank = results[name]
     loss = _worst(per_rank, "loss")
@@ -114,7 +138,7 @@ def test_layout_equals_one_process(results, name):
     assert all(r["n_tensors"] > 0 for r in per_rank)
 
 
-@pytest.mark.parametrize("name", [n for n, _, _ in LAYOUTS if n.startswith("NEG")])
+@pytest.mark.parametrize("name", _params([n for n, _, _ in LAYOUTS if n.startswith("NEG")]))
 def test_negative_control_is_caught(results, name):
     per_rank = results[name]
     worst = max(max(r["grad"], r["update"]) for r in per_rank)

@@ -14,9 +14,11 @@ from megatron_boost.cli.perf_model import main
 from megatron_boost.perf import model as pm
 from megatron_boost.perf.hardware import hardware
 from megatron_boost.perf.kernels import allreduce_time, gemm_efficiency
-from megatron_boost.perf.published import compare_published
+from megatron_boost.perf.published import PUBLISHED_SETUP, compare_published
 from megatron_boost.perf.report import format_published
 from megatron_boost.perf.search import recommend
+
+pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(ROOT, "tools", "perf_model.py")
@@ -40,6 +42,9 @@ def _tp_comm(shape, mode):
 
 
 def test_published_table_within_15_percent_every_cell():
+    """A FIT check, not a prediction: the A100's sustained-clock ratio (SUSTAINED_A100, the one
+    fitted parameter) was chosen on these same 12 cells, so this only shows that one value fits
+    all of them. The prediction check is the hold-out test below."""
     rows = compare_published()
     assert len(rows) == 12
     table = format_published(rows)
@@ -48,6 +53,33 @@ def test_published_table_within_15_percent_every_cell():
             f"{r['model']} {r['mode']}: ratio {r['ratio']}\n{table}"
         # the published figure is never an input: the prediction differs from it
         assert r["predicted_s"] != r["published_s"]
+
+
+def _fit_sustained_ratio(held_out: str) -> float:
+    """SUSTAINED_A100 refitted as hardware.py fits it (least squares of log(pred/pub), on a
+    0.005 grid) on the cells of every model but ``held_out``."""
+    import math
+
+    base = hardware(PUBLISHED_SETUP["gpu"])
+
+    def loss(ratio: float) -> float:
+        rows = compare_published(dataclasses.replace(base, sustained_clock_ratio=ratio))
+        return sum(math.log(r["ratio"]) ** 2 for r in rows if r["model"] != held_out)
+
+    return min((0.5 + 0.005 * i for i in range(101)), key=loss)
+
+
+@pytest.mark.parametrize("held_out", ["1B", "3B", "7B", "13B"])
+def test_published_table_predicted_for_a_model_left_out_of_the_fit(held_out):
+    """Leave one model out: refit the one parameter on the other three models' nine cells and
+    predict the held-out model's three (full, naive, boost) within 15 %. 13B is the only
+    layout with a pipeline (TP4 x PP2), 1B the only one without TP."""
+    ratio = _fit_sustained_ratio(held_out)
+    hw = dataclasses.replace(hardware(PUBLISHED_SETUP["gpu"]), sustained_clock_ratio=ratio)
+    rows = [r for r in compare_published(hw) if r["model"] == held_out]
+    assert len(rows) == 3
+    for r in rows:
+        assert 0.85 <= r["ratio"] <= 1.15, (held_out, ratio, r["mode"], r["ratio"])
 
 
 def test_published_speedup_ordering():
@@ -222,8 +254,9 @@ def test_recommend_returns_fitting_sorted_layouts():
 
 
 def _cli(*args):
+    # the timeout bounds a hang, it is no speed check (seconds alone; minutes on a busy machine)
     return subprocess.run([sys.executable, CLI, *args], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+                          timeout=300, cwd=ROOT)
 
 
 def test_cli_compare_published_writes_json(tmp_path):

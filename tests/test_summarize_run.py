@@ -80,7 +80,7 @@ def test_missing_empty_or_bad_file_fails_clearly(tmp_path, contents):
         (run_dir / "metrics.jsonl").write_text(contents, encoding="utf-8")
     # Through the shim, as the launch scripts call it: exit status 1 and one error line.
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "summarize_run.py"),
-                           str(run_dir)], capture_output=True, text=True, timeout=60)
+                           str(run_dir)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("summarize_run.py: error: ")
     expected = {None: "has no metrics.jsonl", "not json\n": "is not valid JSON"}

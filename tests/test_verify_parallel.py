@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.compat  # the tiers: docs/testing.md
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

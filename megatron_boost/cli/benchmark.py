@@ -33,6 +33,8 @@ full, and within 10 % of the single-process row. Exit code 0 unless something fa
 from __future__ import annotations
 
 import argparse
+
+from megatron_boost.cli.arg_types import non_negative_int, positive_int
 import copy
 import gc
 import json
@@ -283,20 +285,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-boost-benchmark", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config")
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--tp", type=positive_int, required=True)
+    parser.add_argument("--pp", type=positive_int, default=1)
     parser.add_argument("--modes", default="full,naive,boost")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per mode")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per mode")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps per mode")
     parser.add_argument("--single", action="store_true",
                         help="add boost at TP=1 in one process with 2 threads")
-    parser.add_argument("--single-threads", type=int, default=2)
+    parser.add_argument("--single-threads", type=positive_int, default=2)
     parser.add_argument("--recompute", choices=["none", "selective", "full", "lowrank"],
                         default="none")
-    parser.add_argument("--micro-batch-size", type=int, default=None)
-    parser.add_argument("--global-batch-size", type=int, default=None)
-    parser.add_argument("--seq-length", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--micro-batch-size", type=positive_int, default=None)
+    parser.add_argument("--global-batch-size", type=positive_int, default=None)
+    parser.add_argument("--seq-length", type=positive_int, default=None)
+    parser.add_argument("--seed", type=non_negative_int, default=1234)
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=2")

@@ -31,6 +31,7 @@ import sys
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
+from megatron_boost.cli.arg_types import positive_int
 from megatron_boost.cli.errors import one_line_errors
 
 
@@ -38,15 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-boost-comm-volume", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config")
-    parser.add_argument("--micro-batch-size", type=int, default=None,
+    parser.add_argument("--micro-batch-size", type=positive_int, default=None,
                         help="B (default: the config's training.micro_batch_size)")
-    parser.add_argument("--seq-length", type=int, default=None,
+    parser.add_argument("--seq-length", type=positive_int, default=None,
                         help="S (default: the config's model.seq_length)")
-    parser.add_argument("--tp", type=int, default=None, help="TP size (default: the config's)")
+    parser.add_argument("--tp", type=positive_int, default=None,
+                        help="TP size (default: the config's)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                         help="activation dtype (default: the config's precision; auto -> bf16)")
     parser.add_argument("--modes", default="full,naive,boost")
-    parser.add_argument("--measure-tokens", type=int, default=None,
+    parser.add_argument("--measure-tokens", type=positive_int, default=None,
                         help="tokens of the measured layer run (default 8·tp, micro-batch 1)")
     parser.add_argument("--formula-only", action="store_true", help="skip the measurement")
     parser.add_argument("--json", default=None, help="write the report here")

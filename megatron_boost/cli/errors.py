@@ -14,10 +14,12 @@ __all__ = ["USAGE_ERROR_EXIT_CODE", "print_error", "one_line_errors", "run_repor
 USAGE_ERROR_EXIT_CODE = 2
 
 
-def print_error(err: BaseException) -> None:
-    """``error: <message>`` on stderr, the message on one line."""
+def print_error(err: BaseException, rank: Optional[int] = None) -> None:
+    """``error: <message>`` on stderr, the message on one line; ``error: rank N: <message>``
+    when a rank of a multi-process launch reports its own error."""
     msg = " ".join(str(err).split()) or type(err).__name__
-    print(f"error: {msg}", file=sys.stderr, flush=True)
+    where = "" if rank is None else f"rank {rank}: "
+    print(f"error: {where}{msg}", file=sys.stderr, flush=True)
 
 
 def one_line_errors(main: Callable[[Optional[Sequence[str]]], int]):

@@ -44,13 +44,30 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def read_text(path: str) -> str:
+    """The text to score: the file, or the ``text`` fields of a .jsonl file's records. A bad
+    record is reported with its file and line."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--input '{path}' does not exist")
-    if p.suffix == ".jsonl":
-        return "\n".join(json.loads(line)["text"] for line in p.read_text().splitlines()
-                         if line.strip())
-    return p.read_text()
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--input '{path}' is not UTF-8 text ({err})") from None
+    if p.suffix != ".jsonl":
+        return raw
+    texts = []
+    for lineno, line in enumerate(raw.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}:{lineno}: a .jsonl record must be an object with a "
+                             f"string 'text' field; give one per line")
+        texts.append(record["text"])
+    return "\n".join(texts)
 
 
 def _report(name: str, text: str, windows: list, total: float, seconds: float,
@@ -94,6 +111,7 @@ def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
     from megatron_boost.cli.pretrain import select_device
     from megatron_boost.convert import megatron_side as mb
     from megatron_boost.convert.text_eval import layout_summed_loss, text_windows
+    from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found
 
     ckpt = mb.resolve_checkpoint(path)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
@@ -107,7 +125,8 @@ def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
     saved_device = cfg.training.device
     requested = "auto" if saved_device == "cuda" and not any(
         o.startswith("training.device=") for o in overrides) else saved_device
-    with mb.launched_world(cfg, select_device(requested)) as device:
+    with cpu_mode_left_as_found(), \
+            mb.launched_world(cfg, select_device(requested)) as device:
         chunks = mb.launched_model(cfg, ckpt, device)
         start = time.perf_counter()
         total = layout_summed_loss(chunks, windows, cfg, device, progress=lambda batches: tqdm(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
+from megatron_boost.cli.arg_types import (non_negative_float, non_negative_int, positive_int,
+                                           probability)
 from megatron_boost.cli.errors import run_reporting_errors
 
 
@@ -16,10 +18,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="generate.py", description=__doc__.splitlines()[1])
     p.add_argument("model", help="checkpoint folder, iter_* folder or HF directory")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=40)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=positive_int, default=40)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=probability, default=1.0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     return p.parse_args(argv)
 
 

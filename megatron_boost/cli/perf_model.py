@@ -15,6 +15,7 @@ import dataclasses
 import json
 from typing import Dict, Optional, Sequence
 
+from megatron_boost.cli.arg_types import positive_int
 from megatron_boost.analysis.shape import MODES, ModelShape
 from megatron_boost.cli.errors import one_line_errors
 from megatron_boost.perf.hardware import HARDWARE, hardware
@@ -31,17 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "boost training on a GPU cluster (analytical roofline + alpha-beta model).")
     ap.add_argument("--config", help="YAML run config (megatron_boost.config.run); model shape, "
                                      "parallel layout and batch sizes are read from it")
-    ap.add_argument("--gpus", type=int, help="GPUs in the cluster (default: tp·pp·dp of the "
-                                             "config)")
+    ap.add_argument("--gpus", type=positive_int,
+                    help="GPUs in the cluster (default: tp·pp·dp of the config)")
     ap.add_argument("--gpu", default="a100-80gb", help=f"one of {', '.join(HARDWARE)}")
-    ap.add_argument("--gpus-per-node", type=int, help="NVLink domain size (default: per GPU "
-                                                      "type, 8)")
-    ap.add_argument("--tp", type=int)
-    ap.add_argument("--pp", type=int)
-    ap.add_argument("--vpp", type=int)
-    ap.add_argument("--micro-batch-size", type=int)
-    ap.add_argument("--seq-length", type=int)
-    ap.add_argument("--global-batch-size", type=int)
+    ap.add_argument("--gpus-per-node", type=positive_int,
+                    help="NVLink domain size (default: per GPU type, 8)")
+    ap.add_argument("--tp", type=positive_int)
+    ap.add_argument("--pp", type=positive_int)
+    ap.add_argument("--vpp", type=positive_int)
+    ap.add_argument("--micro-batch-size", type=positive_int)
+    ap.add_argument("--seq-length", type=positive_int)
+    ap.add_argument("--global-batch-size", type=positive_int)
     ap.add_argument("--recompute", choices=RECOMPUTE)
     ap.add_argument("--distributed-optimizer", action="store_true", default=None)
     ap.add_argument("--modes", default="full,naive,boost")
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reproduce the BOOST authors' A100 table (built-in shapes)")
     ap.add_argument("--recommend", action="store_true",
                     help="search TP/PP/micro-batch/recompute per mode for the fastest fits")
-    ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--top", type=positive_int, default=3)
     ap.add_argument("--sizing-table", action="store_true",
                     help="the table of docs/sizing.md: every shipped GPU config at its "
                          "intended layout (one 8-GPU node), A100 / H100 / H200")

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_boost.cli.arg_types import positive_int
+
 __all__ = ["main"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="precision_check", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/debug.yaml", help="YAML run configuration")
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size (processes)")
+    parser.add_argument("--tp", type=positive_int, default=2,
+                        help="tensor-parallel size (processes)")
     parser.add_argument("--modes", default="full,naive,boost", help="comma-separated modes")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser.parse_args(argv)

@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Iterator
 
+from megatron_boost.cli.arg_types import positive_int
 from megatron_boost.data.textfiles import expand_inputs
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -158,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="SentencePiece .model file, or a Hugging Face tokenizer directory "
                              "(e.g. an HF model's; train with data.tokenizer_type=huggingface)")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin/.idx")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--workers", type=positive_int, default=1, help="tokenizer processes")
     parser.add_argument("--append-eod", action="store_true", help="append eos to every document")
     parser.add_argument(
         "--split-sentences",

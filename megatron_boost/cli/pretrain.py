@@ -4,10 +4,14 @@
     python pretrain_lowrank.py --config configs/debug.yaml        # one process, no torchrun
     python pretrain_lowrank.py --check --world-size 2 --config ...  # validate only (launchers)
 
-A ``ValueError`` (configuration, data, layout, checkpoint) ends the process with one line,
-``error: <message>`` on stderr, and exit status 2; a fault during training (too many
-consecutive non-finite steps, an unresponsive rank) with one such line and status 1
-(``MBOOST_TRACEBACK=1`` shows the traceback).
+A ``ValueError`` raised before training starts (configuration, data, layout, checkpoint) ends
+the process with one line, ``error: <message>`` on stderr, and exit status 2; a fault during
+training (too many consecutive non-finite steps, an unresponsive rank) with one such line and
+status 1 (``MBOOST_TRACEBACK=1`` shows the traceback). Any other error during training,
+``ValueError`` included, is not a usage error: it ends in its traceback (status 1). Errors of
+the configuration are the same on every rank and printed by rank 0 alone; an error raised once
+the processes have started (set-up or training) is printed by every rank that raised it, a
+rank other than 0 naming itself (``error: rank 1: ...``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import os
 from typing import List, Optional
 
+from megatron_boost.cli.arg_types import positive_int
 from megatron_boost.cli.errors import USAGE_ERROR_EXIT_CODE, print_error
 from megatron_boost.train.resilience import RankTimeout, TrainingDiverged
 
@@ -42,7 +47,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "processes, then exit without training or writing anything (the "
                              "local launchers run this before torchrun, so a bad input ends in "
                              "one error line rather than torchrun's failure report)")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", type=positive_int, default=None,
                         help="with --check: the number of processes of the launch "
                              "(default: $WORLD_SIZE or 1)")
     return parser.parse_args(argv)
@@ -75,19 +80,25 @@ def select_device(requested: str) -> str:
     return device
 
 
-def _print_error(err: Exception) -> None:
-    """One ``error:`` line. Configuration, data and divergence errors are raised identically
-    on every rank, so only global rank 0 prints them; a timeout is reported by the rank that
-    saw it."""
-    if isinstance(err, RankTimeout) or int(os.environ.get("RANK", "0")) == 0:
+def _print_error(err: Exception, started: bool) -> None:
+    """One ``error:`` line per rank that has something to say. Before the processes start
+    (``started`` False: the configuration) and for a divergence (decided by an all-reduce)
+    every rank raises the same error, so only global rank 0 prints it. Otherwise each rank
+    prints its own, a rank other than 0 with its rank: it may be the only one that failed."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print_error(err)
+    elif isinstance(err, RankTimeout) or (started and not isinstance(err, TrainingDiverged)):
+        print_error(err, rank=rank)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: parse, load and validate the config for this launch, train."""
     args = parse_args(argv)
+    started = False  # the processes have started: groups, model, data (set-up, then training)
     try:
         from megatron_boost.config.run import load_run_config
+        from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found
 
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
         cfg = load_run_config(args.config, args.overrides, world_size=world_size)
@@ -98,14 +109,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             from megatron_boost.config.validation import budget_line
 
             print(budget_line(cfg), flush=True)
-        device = select_device(cfg.training.device)
-        from megatron_boost.train.trainer import train
+        with cpu_mode_left_as_found():  # main(argv) may be called in a process that goes on
+            device = select_device(cfg.training.device)
+            from megatron_boost.train.trainer import train
 
-        return train(cfg, device)
+            started = True
+            return train(cfg, device)
     except (ValueError, TrainingDiverged, RankTimeout) as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise
-        _print_error(err)
+        _print_error(err, started)
         return CONFIG_ERROR_EXIT_CODE if isinstance(err, ValueError) else FAULT_EXIT_CODE
     finally:
         from megatron_boost.train.distributed import shutdown

@@ -24,6 +24,7 @@ import os
 import time
 from typing import Iterator
 
+from megatron_boost.cli.arg_types import fraction, non_negative_int, positive_int
 from megatron_boost.data.textfiles import expand_inputs
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
@@ -54,23 +55,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--input", nargs="+", required=True, help="text/.jsonl files, dirs or globs"
     )
-    parser.add_argument("--vocab-size", type=int, required=True, help="target vocabulary size")
+    parser.add_argument("--vocab-size", type=positive_int, required=True,
+                        help="target vocabulary size")
     parser.add_argument("--model-prefix", required=True, help="writes <prefix>.model/.vocab")
     parser.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
     parser.add_argument(
         "--character-coverage",
-        type=float,
+        type=fraction,
         default=0.9995,
         help="fraction of characters kept as pieces; the rest fall back to bytes",
     )
     parser.add_argument("--json-key", default="text", help="text field of .jsonl records")
     parser.add_argument(
         "--input-sentence-size",
-        type=int,
+        type=non_negative_int,
         default=2_000_000,
         help="at most this many (randomly sampled) lines are used; 0 = all",
     )
-    parser.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--num-threads", type=positive_int, default=os.cpu_count() or 1)
     return parser.parse_args(argv)
 
 

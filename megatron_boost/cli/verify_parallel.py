@@ -16,6 +16,8 @@ FAIL, 2 on a bad layout.
 from __future__ import annotations
 
 import argparse
+
+from megatron_boost.cli.arg_types import positive_int
 import sys
 
 
@@ -37,17 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-boost-verify-parallel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages")
-    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--tp", type=positive_int, default=1)
+    parser.add_argument("--pp", type=positive_int, default=1)
+    parser.add_argument("--vpp", type=positive_int, default=None, help="virtual pipeline stages")
+    parser.add_argument("--dp", type=positive_int, default=1)
     parser.add_argument("--mode", choices=["full", "naive", "boost"], default=None,
                         help="TP mode (default: the config's)")
     parser.add_argument("--tiny", action="store_true",
                         help="shrink the model to a few seconds' size, keeping its structure")
     parser.add_argument("--distributed-optimizer", action="store_true")
-    parser.add_argument("--seq-length", type=int, default=16)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--seq-length", type=positive_int, default=16)
+    parser.add_argument("--micro-batch-size", type=positive_int, default=2)
     parser.add_argument("--negative-control", action="store_true",
                         help="corrupt one parameter shard: the check must then FAIL")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.attn_rank=8")

@@ -10,7 +10,7 @@ from typing import Dict
 import torch
 
 __all__ = ["hf_config", "write_hf_dir", "load_hf_model", "read_hf_state_dict",
-           "HF_ACTIVATIONS", "COLA_CODE"]
+           "read_config_json", "check_weight_files", "HF_ACTIVATIONS", "COLA_CODE"]
 
 #: bottleneck σ -> transformers ACT2FN name ("linear" is ACT2FN's identity).
 HF_ACTIVATIONS = {"silu": "silu", "identity": "linear", "gelu": "gelu", "relu": "relu"}
@@ -80,10 +80,43 @@ def write_hf_dir(out: Path, state: Dict[str, torch.Tensor], config, tokenizer,
         tokenizer.save_pretrained(out)
 
 
+def read_config_json(hf_dir) -> dict:
+    """``hf_dir/config.json`` as a dict; a file that is not a JSON object is reported with its
+    path and line."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno}); "
+                         f"an HF model's config.json must be one JSON object") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def check_weight_files(hf_dir) -> None:
+    """Every ``*.safetensors`` file of ``hf_dir`` has a complete header and is as long as the
+    header says (a truncated or damaged file is named here, before transformers reads it)."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise ValueError(f"{path}: not a readable safetensors file ({err}); it may be "
+                             f"truncated or damaged: export or download it again") from None
+
+
 def load_hf_model(path, trust_remote_code: bool = True):
-    """An HF causal LM from a local directory, fp32, eval mode."""
+    """An HF causal LM from a local directory, fp32, eval mode. A malformed config.json or
+    weight file is reported by name first (ValueError)."""
     from transformers import AutoModelForCausalLM
 
+    read_config_json(path)
+    check_weight_files(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code,
                                                  dtype=torch.float32)
     return model.eval()

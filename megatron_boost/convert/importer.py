@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -27,7 +26,8 @@ import yaml
 
 from megatron_boost.convert import megatron_side as mb
 from megatron_boost.convert.export import attention_shape, prompt_ids
-from megatron_boost.convert.hf_dir import HF_ACTIVATIONS, load_hf_model, read_hf_state_dict
+from megatron_boost.convert.hf_dir import (HF_ACTIVATIONS, load_hf_model, read_config_json,
+                                           read_hf_state_dict)
 from megatron_boost.convert.mapping import PROJECTIONS, hf_to_megatron
 
 __all__ = ["import_hf", "svd_factors", "read_hf_config", "SAMPLE_TEXT"]
@@ -44,7 +44,7 @@ def read_hf_config(hf_dir: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"'{hf_dir}' has no config.json; give a local Hugging Face model "
                          f"directory")
-    hf = json.loads(path.read_text())
+    hf = read_config_json(hf_dir)
     kind = hf.get("model_type")
     if kind not in ("llama", "cola"):
         raise ValueError(f"model_type {kind!r} of '{hf_dir}' is not LLaMA-like; import_hf "

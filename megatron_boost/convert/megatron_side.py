@@ -54,21 +54,24 @@ def is_lowrank(cfg: RunConfig) -> bool:
 @contextlib.contextmanager
 def single_process(seed: int = 1234) -> Iterator[None]:
     """A gloo world of one process in CPU mode with megatron's groups at TP = PP = 1, unless a
-    process group already exists (then that one is used as it is)."""
+    process group already exists (then that one is used as it is). On exit the world is closed
+    and CPU mode is switched off again if this context switched it on (a caller in the same
+    process, e.g. a test, finds the process as it was)."""
     import torch.distributed as dist
 
-    from megatron_boost.runtime.cpu_mode import use_cpu
+    from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found, use_cpu
 
     if dist.is_initialized():
         yield
         return
-    use_cpu(force=True)
-    init_world_of_one("gloo")
-    try:
-        initialize_parallel(1, 1, None, seed)
-        yield
-    finally:
-        shutdown()  # megatron's groups and the process group
+    with cpu_mode_left_as_found():
+        use_cpu(force=True)
+        try:
+            init_world_of_one("gloo")
+            initialize_parallel(1, 1, None, seed)
+            yield
+        finally:
+            shutdown()  # megatron's groups and the process group
 
 
 def resolve_checkpoint(path: str) -> Path:

@@ -39,6 +39,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["use_cpu", "restore_cuda", "is_cpu_mode", "maybe_use_cpu", "cuda_unusable_reason",
+           "cpu_mode_left_as_found",
            "CudaToCpuMode"]
 
 _LOCK = threading.Lock()
@@ -266,6 +267,19 @@ def restore_cuda() -> None:
 def is_cpu_mode() -> bool:
     """Whether :func:`use_cpu` has been activated in this process."""
     return _STATE["mode"] is not None
+
+
+@contextlib.contextmanager
+def cpu_mode_left_as_found():
+    """On exit, switch CPU mode off again if it was off on entry: for an entry point's
+    ``main(argv)`` or a tool's body called in a process that goes on (tests), which may switch
+    CPU mode on for its run."""
+    was_on = is_cpu_mode()
+    try:
+        yield
+    finally:
+        if not was_on:
+            restore_cuda()
 
 
 def maybe_use_cpu(device: str = "auto") -> str:

@@ -12,7 +12,8 @@ import signal
 import torch
 import torch.distributed as dist
 
-__all__ = ["PREEMPT_EXIT_CODE", "install_signal_handlers", "preemption_agreed", "signal_name"]
+__all__ = ["PREEMPT_EXIT_CODE", "install_signal_handlers", "restore_signal_handlers",
+           "preemption_agreed", "signal_name"]
 
 #: Exit status after a pre-emption signal was handled and the checkpoint is complete.
 PREEMPT_EXIT_CODE = 0
@@ -24,9 +25,20 @@ def _on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
     _received["signum"] = signum
 
 
-def install_signal_handlers() -> None:
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, _on_signal)
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def install_signal_handlers() -> dict:
+    """Catch the pre-emption signals for this run; returns the handlers they replace, for
+    :func:`restore_signal_handlers` when the run ends."""
+    return {sig: signal.signal(sig, _on_signal) for sig in _SIGNALS}
+
+
+def restore_signal_handlers(previous: dict) -> None:
+    """Put back the handlers :func:`install_signal_handlers` replaced (a run started by
+    ``main(argv)`` in a process that goes on leaves it as it found it)."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def preemption_agreed(device) -> bool:

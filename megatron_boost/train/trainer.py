@@ -79,13 +79,14 @@ from megatron_boost.train.resilience import (
 from megatron_boost.train.preemption import (
     PREEMPT_EXIT_CODE,
     install_signal_handlers,
+    restore_signal_handlers,
     preemption_agreed,
     signal_name,
 )
 from megatron_boost.train.sampler import make_data_iterator
 from megatron_boost.train.state import TrainState
 
-__all__ = ["train", "Trainer"]
+__all__ = ["train", "Trainer", "TrainingError"]
 
 
 def train(cfg, device: str) -> int:
@@ -93,11 +94,22 @@ def train(cfg, device: str) -> int:
     (``RunConfig.validate(world_size)``), on ``device`` ('cuda' or 'cpu'). Returns the exit
     status."""
     init_distributed(device, process_group_timeout(cfg.parallel.timeout_minutes))
-    install_signal_handlers()
+    previous_handlers = install_signal_handlers()
     try:
-        return Trainer(cfg, device).train()
+        trainer = Trainer(cfg, device)  # every input is checked here: ValueError = bad input
+        try:
+            return trainer.train()
+        except ValueError as err:  # the inputs were checked: a fault, not a usage error
+            raise TrainingError(f"training failed at iteration {trainer.state.iteration + 1}: "
+                                f"{err}") from err
     finally:
         destroy_num_microbatches_calculator()
+        restore_signal_handlers(previous_handlers)
+
+
+class TrainingError(RuntimeError):
+    """A ``ValueError`` raised by the training loop, after set-up checked every input: not a
+    usage error, so it ends in its traceback with exit status 1 (see cli/pretrain.py)."""
 
 
 class Trainer:

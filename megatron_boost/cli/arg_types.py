@@ -1,0 +1,55 @@
+"""argparse ``type=`` checks for the tools' numeric arguments: a value out of range is refused
+while the command line is parsed, before anything is loaded, with argparse's one ``error:``
+line (exit status 2) naming the argument, the value and the rule."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["positive_int", "non_negative_int", "non_negative_float", "probability",
+           "fraction"]
+
+
+def _number(text: str, kind):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not {'an integer' if kind is int else 'a number'}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer (>= 1)")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _number(text, int)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text, float)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def probability(text: str) -> float:
+    """A probability mass to keep, in (0, 1] (top-p)."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A fraction in [0, 1]."""
+    value = _number(text, float)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in [0, 1]")
+    return value
