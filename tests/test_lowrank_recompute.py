@@ -60,9 +60,9 @@ def _run(rank, world):
     from megatron.core import parallel_state
 
     from megatron_boost.analysis.collectives import record_collectives
-    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.config.resolved import padded_vocab_size
     from megatron_boost.model.init import sharded_params
-    from megatron_boost.verification import LayoutSpec, _batches, model_config
+    from megatron_boost.testing.verification import LayoutSpec, layout_batches, model_config
     from megatron_boost.train.step import build_ddp_model, initialize_parallel
 
     out = {}
@@ -77,7 +77,7 @@ def _run(rank, world):
                 initialize_parallel(tp, 1, None, spec.seed)
                 ddp = build_ddp_model(config, padded_vocab_size(100, tp), SEQ, spec.seed)
                 model = ddp[0]
-                batch = _batches(spec, 100, 1, 0)[0]
+                batch = layout_batches(spec, 100, 1, 0)[0]
                 hooks, saved = _saved_bytes_hooks(list(model.parameters()),
                                                   model.module.decoder.layers)
                 group = parallel_state.get_tensor_model_parallel_group()

@@ -56,12 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _invalid_mode(cfg, modes: Sequence[str], tp: int) -> Optional[str]:
     """The first mode the config rejects at this TP (checked before spawning), or None."""
-    from megatron_boost.config.run import to_transformer_config
+    from megatron_boost.config.resolved import check_model_rules
 
     for mode in modes:
         cfg.parallel.mode, cfg.parallel.tp = mode, tp
         try:
-            to_transformer_config(cfg)
+            check_model_rules(cfg)
         except ValueError as e:
             return f"{mode} mode at TP={tp}: {e}"
     return None

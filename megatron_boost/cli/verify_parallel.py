@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 def _layout(args):
     """The LayoutSpec of the command line (validated: raises ValueError for a bad one)."""
     from megatron_boost.config.run import load_run_config
-    from megatron_boost.verification import LayoutSpec, model_config
+    from megatron_boost.testing.verification import LayoutSpec, model_config
 
     cfg = load_run_config(args.config, args.overrides)
     model = dict(vars(cfg.model))
@@ -76,7 +76,7 @@ def _layout(args):
 
 def _report(results) -> bool:
     """Print one line per rank and check, and the final line; True when every check passed."""
-    from megatron_boost.verification import TOLERANCES
+    from megatron_boost.testing.verification import TOLERANCES
 
     ok = True
     for rank, r in enumerate(results):
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
 
     from megatron_boost.runtime.spawn import run_distributed
-    from megatron_boost.verification import reference_spec, run_layout
+    from megatron_boost.testing.verification import reference_spec, run_layout
 
     try:
         spec = _layout(args)

@@ -36,7 +36,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from megatron_boost.config.transformer import BoostTransformerConfig, TPMode, get_bottleneck_activation
+from megatron_boost.config.transformer import (
+    BoostTransformerConfig, TPMode, check_divisible_by_tp, get_bottleneck_activation)
 from megatron_boost.model.init import cola_init_
 from megatron_boost.parallel.mappings import (
     bottleneck_up,
@@ -144,11 +145,9 @@ class BottleneckGroup(MegatronModule):
                  + [(f"output size of '{p.name}'", p.out_size) for p in self.projections]
                  if self._a_axis == 1 else
                  [(f"rank of '{p.name}'", p.rank) for p in self.projections])
-        for what, size in sizes:
-            if size % self.tp_size:
-                raise ValueError(
-                    f"{type(self).__name__}: {what} ({size}) must be divisible by "
-                    f"tensor_model_parallel_size ({self.tp_size}) in {self.mode.value} mode")
+        check_divisible_by_tp(self.tp_size, [(f"{type(self).__name__}: {what}", size,
+                                               "this layer's split")
+                                              for what, size in sizes], self.mode)
 
     def factors(self, which: str) -> List[torch.nn.Parameter]:
         return [getattr(self, f"{which}_{p.name}") for p in self.projections]
