@@ -27,7 +27,7 @@ of a layer spec (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -192,27 +192,6 @@ class BottleneckGroup(MegatronModule):
         return make_sharded_tensors_for_checkpoint(
             state, prefix, axis_map, sharded_offsets, tp_group=self.tp_group,
             dp_cp_group=dp_cp_group)
-
-    def global_shapes(self) -> Dict[str, tuple]:
-        """Global (unsharded) shape of every parameter, by name."""
-        shapes = {}
-        for p in self.projections:
-            shapes[f"A_{p.name}"] = (p.rank, self.input_size)
-            shapes[f"B_{p.name}"] = (p.out_size, p.rank)
-        if self.fuse_norm:
-            shapes["layer_norm_weight"] = (self.input_size,)
-        return shapes
-
-    def shard_of(self, name: str, global_tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a global parameter (for loading and for tests)."""
-        param = getattr(self, name)
-        return global_tensor.chunk(self.tp_size, dim=param.partition_dim)[self.tp_rank]
-
-    def load_global_weights(self, weights: Dict[str, torch.Tensor]) -> None:
-        """Copy this rank's slices of the given global tensors into the parameters."""
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                getattr(self, name).copy_(self.shard_of(name, tensor))
 
 
 class BoostBottleneckGroup(BottleneckGroup):
