@@ -41,6 +41,8 @@ import statistics
 import sys
 import time
 
+from megatron_boost.cli.errors import one_line_errors
+
 TARGETS = {"boost_vs_naive": 1.9, "boost_vs_full": 1.7, "single_within": 0.10}
 
 
@@ -401,6 +403,7 @@ def _report(args, cfg, job: dict, rows, ratios, targets, load0, load1) -> dict:
     }
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_boost.config.run import load_run_config
@@ -411,9 +414,7 @@ def main(argv=None) -> int:
     mb = args.micro_batch_size or cfg.training.micro_batch_size
     gbs = args.global_batch_size or cfg.training.global_batch_size
     if gbs % mb:
-        print(f"error: global batch ({gbs}) must be a multiple of micro-batch ({mb})",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"global batch ({gbs}) must be a multiple of micro-batch ({mb})")
     dtype = "bf16" if cfg.training.precision == "bf16" else "fp32"
     recompute = None if args.recompute == "none" else args.recompute
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -98,8 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     error = _invalid_mode(cfg, modes, tp)
     if error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        raise ValueError(error)
     measured = None
     if not args.formula_only and tp > 1:
         measured = _measure(cfg, modes, tp, args.measure_tokens or 8 * tp, dtype)

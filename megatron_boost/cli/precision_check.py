@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Sequence
 
+from megatron_boost.cli.errors import one_line_errors
+
 __all__ = ["main", "bf16_error_worker", "precision_models"]
 
 
@@ -67,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_boost.runtime.spawn import run_distributed
