@@ -123,7 +123,7 @@ class BoostTransformerConfig(TransformerConfig):
     attention_backend: str = "local"
     """Core attention of every layer: sdpa (torch scaled_dot_product_attention), local
     (megatron's DotProductAttention) or te (Transformer Engine). Runs take it from
-    ``model.attention_backend`` through ``runtime.backends.attention_backend_for_run``."""
+    ``model.attention_backend``, resolved for the process by ``config.resolved.resolve_run``."""
 
     def __post_init__(self):
         self.tp_mode = TPMode.parse(self.tp_mode)
