@@ -7,8 +7,11 @@
 The command line lives in ``megatron_boost/cli/pretrain.py``, the loop in
 ``megatron_boost/train/trainer.py``. The ``__main__`` guard is required: dist_checkpointing
 starts a spawn-method multiprocessing helper that re-imports this file, so nothing heavy may
-run at import time (docs/design.md §10.4).
+run at import time (docs/design.md §10.4). Importing the package is light and makes such a
+helper die with its rank, even after a SIGKILL (megatron_boost/runtime/lifetime.py).
 """
+
+import megatron_boost  # noqa: F401
 
 if __name__ == "__main__":
     import warnings

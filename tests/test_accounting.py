@@ -23,8 +23,9 @@ import torch
 
 from megatron_boost.analysis.comm import LayerCommSpec, layer_comm_formula, measure_layer_comm_specs
 from megatron_boost.analysis.comm_report import GIB, comm_volume_report
-from megatron_boost.analysis.flops import (count_flops, forward_flops_per_token, rank_step_flops,
-                                           step_flops)
+from megatron_boost.analysis.flops import (attention_core_flops, count_flops,
+                                           forward_flops_per_token, rank_step_flops, step_flops)
+from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.analysis.memory import SavedActivations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,12 +54,12 @@ def _run_config(mode, tp):
 
 def _model_stats(mode, tp):
     """FLOPs (forward; forward + backward) and saved activation bytes of one micro-batch."""
-    from megatron_boost.config.run import to_transformer_config
-    from megatron_boost.model.gpt import build_model, padded_vocab_size
+    from megatron_boost.config.resolved import padded_vocab_size, resolve_run, to_transformer_config
+    from megatron_boost.model.gpt import build_model
     from megatron_boost.model.init import init_global_weights
 
     cfg = _run_config(mode, tp)
-    config = to_transformer_config(cfg)
+    config = to_transformer_config(resolve_run(cfg))
     vocab = padded_vocab_size(MODEL["vocab_size"], tp)
     model = build_model(config, vocab, S)[0]
     init_global_weights([model], SEED, config)
@@ -112,18 +113,26 @@ def stats():
 # ---------------------------------------------------------------------------------------------
 
 
+def _masked_half_per_token(cfg) -> float:
+    """Forward FLOPs per token of the masked half of the causal s×s scores, which the kernels
+    compute and model FLOPs (megatron-LM's convention) leave out."""
+    shape = ModelShape.from_config(cfg)
+    return shape.num_layers * attention_core_flops(S, shape.heads, shape.e, causal=True)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_flops_formula_matches_flop_counter_one_process(stats, mode):
-    """Model FLOPs = every matmul (projections, attention core Q·Kᵀ and P·V with the full s×s
-    score matrix, LM head): FlopCounterMode counts exactly these (norms, softmax, RoPE and the
-    loss are not matmuls), and backward is exactly two matmuls per forward matmul (input and
-    weight gradients; the first layer's input gradient is needed for the embedding). So the
-    match is exact: the tolerance only guards float formatting."""
+    """Every matmul (projections, attention core Q·Kᵀ and P·V, LM head): FlopCounterMode counts
+    exactly these (norms, softmax, RoPE and the loss are not matmuls), the attention kernel over
+    the full s×s square, of which model FLOPs count the causal half; backward is exactly two
+    matmuls per forward matmul (input and weight gradients; the first layer's input gradient is
+    needed for the embedding). So the match is exact: the tolerance only guards float
+    formatting."""
     s = stats[0]["tp1"][mode]
     cfg = _run_config(mode, 1)
     fwd = forward_flops_per_token(cfg, mode, vocab_size=s["vocab"], seq_length=S) * B * S
-    assert s["fwd"] == pytest.approx(fwd, rel=1e-9)
-    assert s["total"] == pytest.approx(step_flops(cfg, mode, B * S, s["vocab"], S),
+    assert s["fwd"] == pytest.approx(fwd + _masked_half_per_token(cfg) * B * S, rel=1e-9)
+    assert s["total"] == pytest.approx(rank_step_flops(cfg, mode, B * S, s["vocab"], S, 1),
                                        rel=1e-9)
     assert s["total"] == 3 * s["fwd"]
 
@@ -139,10 +148,11 @@ def test_rank_flops_formula_matches_flop_counter_tp2(stats, mode):
             rank_step_flops(cfg, mode, B * S, s["vocab"], S, 2), rel=1e-9)
     model_flops = step_flops(cfg, mode, B * S, stats[0]["tp2"][mode]["vocab"], S)
     executed = stats[0]["tp2"][mode]["total"] + stats[1]["tp2"][mode]["total"]
+    masked = 3 * B * S * _masked_half_per_token(cfg)
     if mode == "naive":
-        assert executed > model_flops  # the duplicated attention core
+        assert executed > model_flops + masked  # the duplicated attention core
     else:
-        assert executed == pytest.approx(model_flops, rel=1e-9)
+        assert executed == pytest.approx(model_flops + masked, rel=1e-9)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -154,6 +164,15 @@ def test_rank_flops_at_tp1_match_flop_counter(stats, mode):
     cfg = _run_config(mode, 1)
     assert s["total"] == pytest.approx(rank_step_flops(cfg, mode, B * S, s["vocab"], S, 1),
                                        rel=1e-9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_flops_at_tp1_equal_model_flops(mode):
+    """One TP rank of TP=1 executes the model FLOPs (nothing split, nothing duplicated) plus
+    the masked half of the attention scores, which the kernels compute."""
+    cfg = _run_config(mode, 1)
+    assert rank_step_flops(cfg, mode, 7, 256, S, 1) == pytest.approx(
+        step_flops(cfg, mode, 7, 256, S) + 3 * 7 * _masked_half_per_token(cfg), rel=1e-12)
 
 
 def test_naive_and_boost_execute_the_same_flops_at_tp1(stats):

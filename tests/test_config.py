@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_boost.config.run import load_run_config, reference_yaml, to_transformer_config
+from megatron_boost.config.resolved import check_model_rules, resolve_run, to_transformer_config
+from megatron_boost.config.run import load_run_config, reference_yaml
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
 
 pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
@@ -59,7 +60,7 @@ def test_debug_yaml_loads_and_overrides_apply():
                          "optimizer.lr=1e-4", "data.data_path=[a, b]"])
     assert c.model.attn_rank == 8 and c.parallel.tp == 2 and c.parallel.mode == "naive"
     assert c.optimizer.lr == 1e-4 and c.data.data_path == ["a", "b"]
-    tc = to_transformer_config(c)
+    tc = to_transformer_config(resolve_run(c, "cpu"))
     assert tc.attn_rank == 8 and tc.tensor_model_parallel_size == 2
 
 
@@ -105,7 +106,7 @@ def test_run_level_rules():
 def test_shipped_configs_load():
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         c = load_run_config(str(path))
-        to_transformer_config(c)
+        check_model_rules(c)
 
 
 def test_reference_yaml_is_current():

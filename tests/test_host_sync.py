@@ -3,7 +3,7 @@
 One gloo worker builds the debug model twice, once with 1 layer and 1 micro-batch per step
 and once with 3 layers and 4 micro-batches (so roughly 3x the parameters and 4x the
 micro-batches), runs one warm-up step and counts the host synchronisations of the next
-(:class:`~megatron_boost.runtime.host_sync.HostSyncCounter`). The counts must be equal and
+(:class:`~megatron_boost.testing.host_sync.HostSyncCounter`). The counts must be equal and
 small. The counter itself is checked first on known code.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_boost.runtime.host_sync import HostSyncCounter
+from megatron_boost.testing.host_sync import HostSyncCounter
 from megatron_boost.runtime.spawn import run_distributed
 
 SEQ, MBS = 16, 2
@@ -45,13 +45,14 @@ def _batches(vocab, seed):
 
 
 def _step_syncs(num_layers, num_microbatches):
-    from megatron_boost.config.run import load_run_config, to_transformer_config
+    from megatron_boost.config.resolved import resolve_run, to_transformer_config
+    from megatron_boost.config.run import load_run_config
     from megatron_boost.train.step import (
         build_ddp_model, build_optimizer, make_forward_step, train_step)
 
     cfg = load_run_config("configs/debug.yaml", [f"model.num_layers={num_layers}",
                                                  f"model.seq_length={SEQ}"])
-    config = to_transformer_config(cfg)
+    config = to_transformer_config(resolve_run(cfg))
     ddp = build_ddp_model(config, 256, SEQ, seed=1)
     optimizer = build_optimizer(config, ddp, lr=1e-3, min_lr=1e-4, weight_decay=0.0)
     forward_step = make_forward_step(next)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_boost.runtime.spawn import run_distributed
+from megatron_boost.testing.layers import global_shapes, load_global_weights, shard_of
 
 pytestmark = [pytest.mark.fast, pytest.mark.compat]  # the tiers: docs/testing.md
 
@@ -107,7 +108,7 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
     layer = build_layer(kind, mode, make_config(t, mode, act, groups, dtype), group)
     g = torch.Generator().manual_seed(42)
     weights = {n: torch.randn(shape, generator=g) * 0.3
-               for n, shape in layer.global_shapes().items()}
+               for n, shape in global_shapes(layer).items()}
     if "layer_norm_weight" in weights:  # a non-trivial γ, so its gradient is tested too
         weights["layer_norm_weight"] = 1.0 + 0.2 * torch.randn(D, generator=g)
     in_size = {"proj": HEADS * HN, "fc2": FFN}.get(kind, D)
@@ -122,7 +123,7 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
         # Negative control: the A factors get the NEXT rank's slice (TP>1) or, at TP=1, their
         # rows reversed, while B stays right. (Swapping A and B shards together would permute
         # the rank-sum consistently and leave the function unchanged.)
-        layer.load_global_weights({n: w.to(dtype) for n, w in weights.items()})
+        load_global_weights(layer, {n: w.to(dtype) for n, w in weights.items()})
         with torch.no_grad():
             for name, w in weights.items():
                 if name.startswith("A_"):
@@ -130,7 +131,7 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
                     p.copy_(w.chunk(t, dim=p.partition_dim)[(k + 1) % t] if t > 1
                             else w.flip(0))
     else:
-        layer.load_global_weights({n: w.to(dtype) for n, w in weights.items()})
+        load_global_weights(layer, {n: w.to(dtype) for n, w in weights.items()})
     x_loc = local_view(kind, mode, x, t, k, groups, False).to(dtype).requires_grad_(True)
     with record_collectives(group) as log:
         y, bias = layer(x_loc)
@@ -141,7 +142,7 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
             "dx": rel_err(x_loc.grad, local_view(kind, mode, x_ref.grad, t, k, groups, False))}
     for name in weights:
         p = getattr(layer, name)
-        errs[f"d{name}"] = rel_err(p.grad, layer.shard_of(name, ref_w[name].grad))
+        errs[f"d{name}"] = rel_err(p.grad, shard_of(layer, name, ref_w[name].grad))
     return {"errs": errs, "comm": log.summary()}
 
 

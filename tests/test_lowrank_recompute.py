@@ -60,9 +60,9 @@ def _run(rank, world):
     from megatron.core import parallel_state
 
     from megatron_boost.analysis.collectives import record_collectives
-    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.config.resolved import padded_vocab_size
     from megatron_boost.model.init import sharded_params
-    from megatron_boost.verification import LayoutSpec, _batches, model_config
+    from megatron_boost.testing.verification import LayoutSpec, layout_batches, model_config
     from megatron_boost.train.step import build_ddp_model, initialize_parallel
 
     out = {}
@@ -77,7 +77,7 @@ def _run(rank, world):
                 initialize_parallel(tp, 1, None, spec.seed)
                 ddp = build_ddp_model(config, padded_vocab_size(100, tp), SEQ, spec.seed)
                 model = ddp[0]
-                batch = _batches(spec, 100, 1, 0)[0]
+                batch = layout_batches(spec, 100, 1, 0)[0]
                 hooks, saved = _saved_bytes_hooks(list(model.parameters()),
                                                   model.module.decoder.layers)
                 group = parallel_state.get_tensor_model_parallel_group()
@@ -130,3 +130,45 @@ def test_lowrank_keeps_only_layer_input_and_reductions(results, tp, mode):
     low, plain = (results[0][(tp, mode, v)]["saved"] for v in ("lowrank", "plain"))
     print(f"saved bytes in layers lowrank/plain tp={tp} {mode}: "
           f"{low['layers'] / plain['layers']:.3f}")
+
+
+def _dropout_grads(rank, world):
+    """Gradients of one forward + backward with hidden and attention dropout 0.1, without and
+    with low-rank recompute, from the same RNG states."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_boost.config.resolved import padded_vocab_size
+    from megatron_boost.model.init import sharded_params
+    from megatron_boost.testing.verification import LayoutSpec, layout_batches, model_config
+    from megatron_boost.train.step import build_ddp_model, initialize_parallel
+
+    spec = LayoutSpec(mode="boost", tp=1, model=dict(MODEL, attention_backend="local"),
+                      seq_length=SEQ, micro_batch_size=MICRO_BATCH)
+    out = {}
+    for recompute in (False, True):
+        _, config = model_config(spec)
+        config.lowrank_recompute = recompute
+        # megatron's attention draws its dropout mask from the RNG tracker's stream, the
+        # hidden dropout from the default generator: both must be replayed by the recompute.
+        config.hidden_dropout = config.attention_dropout = 0.1
+        initialize_parallel(1, 1, None, spec.seed)
+        (model,) = build_ddp_model(config, padded_vocab_size(100, 1), SEQ, spec.seed)
+        batch = layout_batches(spec, 100, 1, 0)[0]
+        torch.manual_seed(5)
+        model_parallel_cuda_manual_seed(5)
+        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss.float().mean().backward()
+        out[recompute] = {k: p.main_grad.clone() for k, _, _, p in sharded_params(model.module)}
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_lowrank_recompute_replays_dropout():
+    """The recompute restores the CPU, CUDA and RNG-tracker states of the forward, as megatron's
+    checkpoint function does, so its dropout masks are the forward's: bitwise equal gradients."""
+    grads = run_distributed(_dropout_grads, 1)[0]
+    plain, low = grads[False], grads[True]
+    assert plain.keys() == low.keys()
+    differ = [k for k in plain if not torch.equal(plain[k], low[k])]
+    assert not differ, f"gradients differ with recompute under dropout: {differ}"

@@ -6,7 +6,7 @@ clipping. Checked against the one-process model (bottleneck modes against the on
 model, full against the one-process full-rank model): the loss, every gradient shard against
 the matching slice of the one-process gradient (except with the distributed optimizer, where
 each DP rank holds only its shard of the reduced buffer), the global gradient norm, and every
-parameter after one optimizer step. Tolerances: megatron_boost.verification.TOLERANCES.
+parameter after one optimizer step. Tolerances: megatron_boost.testing.verification.TOLERANCES.
 
 Layouts are grouped by world size so that one set of processes runs several of them; only the
 layouts of the selected tests are run (the fast tier selects the TP=2 layout of each mode and
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_boost.verification import (
+from megatron_boost.testing.verification import (
     TOLERANCES,
     LayoutSpec,
     model_collectives,

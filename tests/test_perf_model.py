@@ -323,3 +323,32 @@ def test_docs_sizing_table_is_current(capsys):
     assert len(gpu_configs) >= 10
     rows = [line for line in table.splitlines() if line.startswith("| `configs/")]
     assert sorted(r.split("`")[1].split("/")[1] for r in rows) == gpu_configs
+
+
+def test_tp_divisibility_is_the_trainers_rule():
+    """The perf model accepts exactly the layouts the trainer accepts (config.transformer's
+    check_tp_split): boost never shards the rank, so a rank that tp does not divide is a valid
+    boost layout and an invalid naive one."""
+    from megatron_boost.config.transformer import check_tp_split
+
+    shape = ModelShape(name="odd-rank", num_layers=2, hidden=512, ffn=1024, heads=8,
+                       vocab=32000, seq_length=256, attn_rank=100, mlp_rank=100)
+    hw = hardware("a100-80gb")
+    assert pm.predict(shape, pm.Layout(mode="boost", tp=8), hw).mfu > 0
+    with pytest.raises(ValueError, match=r"attn_rank \(100\) must be divisible"):
+        pm.predict(shape, pm.Layout(mode="naive", tp=8), hw)
+    for mode in MODES:
+        for tp in (1, 2, 3, 4, 8):
+            sizes = dict(hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8,
+                         num_query_groups=8, attn_rank=100, mlp_rank=100)
+            try:
+                check_tp_split(mode, tp, **sizes)
+                trainer_ok = True
+            except ValueError:
+                trainer_ok = False
+            try:
+                pm.predict(shape, pm.Layout(mode=mode, tp=tp), hw)
+                model_ok = True
+            except ValueError:
+                model_ok = False
+            assert model_ok == trainer_ok, (mode, tp)

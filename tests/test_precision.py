@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_boost.analysis.precision import bf16_error_worker
+from megatron_boost.cli.precision_check import bf16_error_worker
 from megatron_boost.runtime.spawn import run_distributed
 
 

@@ -158,12 +158,12 @@ def build_decoder_layer(config, pgs=None):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_boost.config.transformer import TPMode
-    from megatron_boost.model.specs import _replicated_decoder_pgs, default_pg_collection, \
-        get_layer_spec
+    from megatron_boost.model.specs import default_pg_collection, get_layer_spec, \
+        replicated_decoder_pgs
 
     pgs = pgs or default_pg_collection()
     spec = get_layer_spec(config, pgs.tp)
-    layer_pgs = _replicated_decoder_pgs(pgs) if config.tp_mode is TPMode.NAIVE else pgs
+    layer_pgs = replicated_decoder_pgs(pgs) if config.tp_mode is TPMode.NAIVE else pgs
     return build_module(spec, config=config, layer_number=1, pg_collection=layer_pgs)
 
 
@@ -190,7 +190,7 @@ def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_boost.config.run import to_transformer_config
+    from megatron_boost.config.resolved import resolve_run, to_transformer_config
     from megatron_boost.config.transformer import TPMode
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -200,7 +200,8 @@ def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[
         dtype = DTYPES[spec.dtype]
         model_parallel_cuda_manual_seed(spec.seed)
         torch.manual_seed(spec.seed)
-        config = to_transformer_config(cfg, params_dtype=dtype)
+        run = resolve_run(cfg, vocab_size=cfg.model.vocab_size).with_precision(spec.dtype)
+        config = to_transformer_config(run)
         layer = build_decoder_layer(config)
         d = config.hidden_size
         width = d // spec.tp if config.tp_mode is TPMode.BOOST else d

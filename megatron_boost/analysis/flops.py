@@ -13,9 +13,12 @@ e head dim, r the bottleneck ranks, s sequence length):
 * a dense projection d_in -> d_out costs 2·d_in·d_out;
 * a bottleneck projection y = B·σ(A·x) costs 2·r·(d_in + d_out) (A: d_in -> r, B: r -> d_out);
 * q: d -> h·e, k and v: d -> g·e, o: h·e -> d; gate and up: d -> f, down: f -> d;
-* attention core: Q·Kᵀ and P·V, 2·s·h·e each, i.e. 4·s·h·e = 2·2·s·d for h·e = d.
-  Choice: the full s×s score matrix is counted (no halving for the causal mask), as
-  Megatron's ``num_floating_point_operations`` does; pass ``causal=True`` to halve it.
+* attention core: Q·Kᵀ and P·V over the unmasked half of the causal s×s scores, 2·s·h·e
+  per token (4·s·h·e halved). This is megatron-LM's convention (``num_floating_point_operations``
+  in its training.py: "causal mask (only half of the mask is non-zero)", backward = 2×
+  forward), so our MFU compares with megatron's and with the perf model's (``perf/model.py``
+  uses these functions; docs/design.md §10.13). :func:`rank_step_flops` instead counts what
+  the kernels execute: the local and SDPA-math kernels compute the full s×s square.
 
 Plus the LM head, 2·d·V per token (the embedding lookup is free). Training (forward + backward)
 is 3× the forward count (backward = 2× forward: gradients w.r.t. inputs and weights).
@@ -29,7 +32,7 @@ from typing import Any, Optional
 from megatron_boost.analysis.shape import ModelShape, check_mode
 
 __all__ = ["flops_per_token", "forward_flops_per_token", "step_flops", "rank_step_flops",
-           "attention_core_flops", "count_flops", "peak_tflops"]
+           "attention_core_flops", "count_flops", "peak_tflops", "MODEL_FLOPS_CAUSAL"]
 
 
 def _mode_of(cfg: Any, mode: Optional[str]) -> str:
@@ -46,7 +49,12 @@ def attention_core_flops(seq_length: int, heads: int, head_dim: int,
     return 4.0 * seq_length * heads * head_dim * (0.5 if causal else 1.0)
 
 
-def _layer_parts(shape: ModelShape, mode: str, seq_length: int, causal: bool = False):
+#: Model FLOPs count the causal half of the attention scores (megatron-LM's convention).
+MODEL_FLOPS_CAUSAL = True
+
+
+def _layer_parts(shape: ModelShape, mode: str, seq_length: int,
+                 causal: bool = MODEL_FLOPS_CAUSAL):
     """(projection FLOPs, attention-core FLOPs) per token of one layer, forward."""
     proj = sum(p.flops_per_token for p in shape.projections(mode))
     return proj, attention_core_flops(seq_length, shape.heads, shape.e, causal)
@@ -61,7 +69,7 @@ def _shape_and_sizes(cfg: Any, vocab_size: Optional[int], seq_length: Optional[i
 
 def forward_flops_per_token(cfg: Any, mode: Optional[str] = None, *,
                             vocab_size: Optional[int] = None,
-                            seq_length: Optional[int] = None, causal: bool = False) -> float:
+                            seq_length: Optional[int] = None) -> float:
     """Forward-pass matmul FLOPs per token of the whole model (see the module doc).
 
     Args:
@@ -71,11 +79,10 @@ def forward_flops_per_token(cfg: Any, mode: Optional[str] = None, *,
             config's own mode.
         vocab_size: the LM head width (e.g. the padded vocabulary); default: the config's.
         seq_length: attention span s; default: the config's ``seq_length``.
-        causal: halve the attention-core term (count only the unmasked half).
     """
     mode = _mode_of(cfg, mode)
     shape, V, s = _shape_and_sizes(cfg, vocab_size, seq_length)
-    proj, core = _layer_parts(shape, mode, s, causal)
+    proj, core = _layer_parts(shape, mode, s)
     return shape.num_layers * (proj + core) + 2.0 * shape.hidden * V
 
 
@@ -97,10 +104,11 @@ def rank_step_flops(cfg: Any, mode: str, tokens: int, vocab_size: int, seq_lengt
 
     full / boost: everything split t ways. naive: projections and the vocab-parallel head split
     t ways, the attention core duplicated on every rank (it runs on the replicated heads,
-    docs/design.md §2). Recompute is not counted."""
+    docs/design.md §2). The attention core is counted as the kernels run it, the full s×s
+    square (model FLOPs count half of it). Recompute is not counted."""
     mode = check_mode(mode)
     shape, V, s = _shape_and_sizes(cfg, vocab_size, seq_length)
-    proj, core = _layer_parts(shape, mode, s)
+    proj, core = _layer_parts(shape, mode, s, causal=False)
     core = shape.num_layers * core
     split = shape.num_layers * proj + 2.0 * shape.hidden * V
     per_token = split / tp + (core if mode == "naive" else core / tp)

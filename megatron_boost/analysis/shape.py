@@ -17,17 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+from megatron_boost.config.transformer import TPMode, default_rank
+
 __all__ = ["ModelShape", "Projection", "MODES", "check_mode"]
 
-MODES = ("full", "naive", "boost")
+#: The mode names, from the one enum (``config.transformer.TPMode``).
+MODES = tuple(m.value for m in TPMode)
 
 
 def check_mode(mode: Any) -> str:
     """'full', 'naive' or 'boost' from a string or a TPMode enum; ValueError otherwise."""
-    mode = str(getattr(mode, "value", mode)).lower()
-    if mode not in MODES:
-        raise ValueError(f"mode ({mode!r}) must be one of full, naive, boost")
-    return mode
+    return TPMode.parse(getattr(mode, "value", mode)).value
 
 
 @dataclass(frozen=True)
@@ -118,13 +118,13 @@ class ModelShape:
 
     @property
     def r_attn(self) -> int:
-        """Attention bottleneck rank; d / 4 (CoLA's default ratio) when not given."""
-        return self.attn_rank or max(1, self.hidden // 4)
+        """Attention bottleneck rank; the configuration's default rank when not given."""
+        return self.attn_rank or default_rank(self.hidden)
 
     @property
     def r_mlp(self) -> int:
-        """MLP bottleneck rank; d / 4 (CoLA's default ratio) when not given."""
-        return self.mlp_rank or max(1, self.hidden // 4)
+        """MLP bottleneck rank; the configuration's default rank when not given."""
+        return self.mlp_rank or default_rank(self.hidden)
 
     def projections(self, mode: str) -> List[Projection]:
         """The seven projections of one layer: q, k, v, o (attention rank), gate, up, down

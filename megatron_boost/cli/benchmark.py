@@ -43,6 +43,8 @@ import statistics
 import sys
 import time
 
+from megatron_boost.cli.errors import one_line_errors
+
 TARGETS = {"boost_vs_naive": 1.9, "boost_vs_full": 1.7, "single_within": 0.10}
 
 
@@ -68,28 +70,27 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-def _build_run(job: dict, mode: str, dtype) -> dict:
-    """One mode's DDP model, optimizer and synthetic micro-batches, and empty measurements."""
-    from megatron_boost.config.run import to_transformer_config
+def build_mode_run(job: dict, mode: str) -> dict:
+    """One mode's built run (``train.build.build_run``: DDP model, optimizer, schedule
+    runner), its synthetic micro-batches, and empty measurements."""
+    from megatron_boost.config.resolved import resolve_run
     from megatron_boost.data.synthetic import synthetic_microbatches
-    from megatron_boost.model.gpt import padded_vocab_size
-    from megatron_boost.train.step import build_ddp_model, build_optimizer
+    from megatron_boost.train.build import build_run
 
-    tp, pp, seq, mb = job["tp"], job["pp"], job["seq_length"], job["micro_batch_size"]
+    seq, mb = job["seq_length"], job["micro_batch_size"]
     cfg = copy.deepcopy(job["cfg"])
-    cfg.parallel.mode, cfg.parallel.tp, cfg.parallel.pp = mode, tp, pp
+    cfg.parallel.mode, cfg.parallel.tp, cfg.parallel.pp = mode, job["tp"], job["pp"]
     cfg.training.recompute = job["recompute"]
-    config = to_transformer_config(cfg, params_dtype=dtype)
-    vocab = padded_vocab_size(cfg.model.vocab_size, tp)
-    ddp = build_ddp_model(config, vocab, seq, job["seed"])
-    opt = build_optimizer(config, ddp, lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
-                          weight_decay=cfg.optimizer.weight_decay,
-                          clip_grad=cfg.optimizer.clip_grad)
+    cfg.training.precision, cfg.training.seed = job["dtype"], job["seed"]
+    cfg.model.seq_length, cfg.training.micro_batch_size = seq, mb
+    cfg.training.global_batch_size = job["global_batch_size"]
+    cfg.optimizer.warmup_iters = 0  # the scheduler is never stepped: every step at lr
+    built = build_run(resolve_run(cfg, vocab_size=cfg.model.vocab_size))
     micro = synthetic_microbatches(cfg.model.vocab_size, seq, mb, job["global_batch_size"],
                                    job["seed"] + 1)
-    return {"cfg": cfg, "config": config, "ddp": ddp, "opt": opt, "micro": micro,
-            "vocab": vocab, "times": [], "losses": [], "load": [], "own_cpu": [],
-            "sys_busy": []}
+    return {"cfg": cfg, "built": built, "ddp": built.chunks, "opt": built.optimizer,
+            "micro": micro, "vocab": built.run.padded_vocab_size, "times": [], "losses": [],
+            "load": [], "own_cpu": [], "sys_busy": []}
 
 
 def _timed_steps(runs: dict, job: dict, step) -> None:
@@ -112,13 +113,12 @@ def _timed_steps(runs: dict, job: dict, step) -> None:
                 r["losses"].append(out["loss"])
 
 
-def _untimed_measurements(r: dict, job: dict, step, forward_step) -> dict:
+def _untimed_measurements(r: dict, job: dict, step) -> dict:
     """TP collectives of one more step and saved activations of one micro-batch forward."""
     from megatron.core import parallel_state
 
     from megatron_boost.analysis.collectives import record_collectives
     from megatron_boost.analysis.memory import SavedActivations
-    from megatron_boost.train.step import _run_schedule
 
     with record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
         step(r)
@@ -126,8 +126,7 @@ def _untimed_measurements(r: dict, job: dict, step, forward_step) -> dict:
     params = [p for m in r["ddp"] for p in m.parameters()]
     its = [iter(r["micro"][:1]) for _ in r["ddp"]]
     with SavedActivations(exclude=params) as acc:
-        _run_schedule(forward_step, its, r["ddp"], 1, job["seq_length"],
-                      job["micro_batch_size"], forward_only=True)
+        r["built"].run_schedule(its, 1, forward_only=True)
     return {
         "times": r["times"], "losses": r["losses"], "load": r["load"],
         "own_cpu": r["own_cpu"], "sys_busy": r["sys_busy"],
@@ -144,22 +143,20 @@ def bench_worker(rank: int, world: int, job: dict) -> dict:
     saved activations. Returns per-mode raw numbers of this rank."""
     import torch
 
-    from megatron_boost.train.step import initialize_parallel, make_forward_step, train_step
+    from megatron_boost.train.step import initialize_parallel, train_step
 
     torch.set_num_threads(job["threads"])
     initialize_parallel(job["tp"], job["pp"], None, job["seed"])
     seq, mb = job["seq_length"], job["micro_batch_size"]
     n_micro = job["global_batch_size"] // mb
-    dtype = torch.bfloat16 if job["dtype"] == "bf16" else torch.float32
-    runs = {mode: _build_run(job, mode, dtype) for mode in job["modes"]}
-    forward_step = make_forward_step(next)
+    runs = {mode: build_mode_run(job, mode) for mode in job["modes"]}
 
     def step(r):
         its = [iter(r["micro"]) for _ in r["ddp"]]
-        return train_step(forward_step, its, r["ddp"], r["opt"], n_micro, seq, mb)
+        return train_step(r["built"].forward_step, its, r["ddp"], r["opt"], n_micro, seq, mb)
 
     _timed_steps(runs, job, step)
-    results = {mode: _untimed_measurements(r, job, step, forward_step)
+    results = {mode: _untimed_measurements(r, job, step)
                for mode, r in runs.items()}
     runs.clear()
     gc.collect()
@@ -173,14 +170,14 @@ def bench_worker(rank: int, world: int, job: dict) -> dict:
 
 def _validate_mode(cfg, mode, tp, pp, recompute):
     """None if the config accepts (mode, tp, pp, recompute), else the reason."""
-    from megatron_boost.config.run import to_transformer_config
+    from megatron_boost.config.resolved import check_model_rules
 
     c = copy.deepcopy(cfg)
     c.parallel.mode, c.parallel.tp, c.parallel.pp = mode, tp, pp
     c.training.recompute = recompute
     try:
         c.validate()
-        to_transformer_config(c)
+        check_model_rules(c)
     except (ValueError, TypeError, AssertionError) as e:
         return str(e)
     return None
@@ -408,6 +405,7 @@ def _report(args, cfg, job: dict, rows, ratios, targets, load0, load1) -> dict:
     }
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_boost.config.run import load_run_config
@@ -418,9 +416,7 @@ def main(argv=None) -> int:
     mb = args.micro_batch_size or cfg.training.micro_batch_size
     gbs = args.global_batch_size or cfg.training.global_batch_size
     if gbs % mb:
-        print(f"error: global batch ({gbs}) must be a multiple of micro-batch ({mb})",
-              file=sys.stderr)
-        return 2
+        raise ValueError(f"global batch ({gbs}) must be a multiple of micro-batch ({mb})")
     dtype = "bf16" if cfg.training.precision == "bf16" else "fp32"
     recompute = None if args.recompute == "none" else args.recompute
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

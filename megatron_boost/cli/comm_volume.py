@@ -58,12 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _invalid_mode(cfg, modes: Sequence[str], tp: int) -> Optional[str]:
     """The first mode the config rejects at this TP (checked before spawning), or None."""
-    from megatron_boost.config.run import to_transformer_config
+    from megatron_boost.config.resolved import check_model_rules
 
     for mode in modes:
         cfg.parallel.mode, cfg.parallel.tp = mode, tp
         try:
-            to_transformer_config(cfg)
+            check_model_rules(cfg)
         except ValueError as e:
             return f"{mode} mode at TP={tp}: {e}"
     return None
@@ -100,8 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     error = _invalid_mode(cfg, modes, tp)
     if error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        raise ValueError(error)
     measured = None
     if not args.formula_only and tp > 1:
         measured = _measure(cfg, modes, tp, args.measure_tokens or 8 * tp, dtype)

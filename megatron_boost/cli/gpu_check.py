@@ -177,12 +177,6 @@ def one_line(err: BaseException) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _torch_dtype(precision: str):
-    import torch
-
-    return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
 def _setup(plan: Plan, seed: int = 1234) -> None:
     """A world of one on the plan's device (CPU mode for the dry run), TP=PP=1 groups."""
     from megatron_boost.runtime.cpu_mode import maybe_use_cpu
@@ -240,32 +234,23 @@ class Trainable:
     micro_batches: list
 
 
-def _build_trainable(cfg, precision: str, device: str, seed: int = 1234,
+def _build_trainable(cfg, precision: str, device: str,
                      num_microbatches: Optional[int] = None) -> Trainable:
-    """The run's model (layout-independent init from ``seed``, so every mode starts from the
-    same global weights, docs/design.md §8), megatron's optimizer and one fixed global batch."""
-    from megatron_boost.config.run import to_transformer_config
+    """The run's model from the one builder (layout-independent init from the run's seed, so
+    every mode starts from the same global weights, docs/design.md §8), megatron's optimizer
+    and one fixed global batch."""
+    from megatron_boost.config.resolved import resolve_run
     from megatron_boost.data.synthetic import synthetic_microbatches
-    from megatron_boost.model.gpt import padded_vocab_size
-    from megatron_boost.train.step import build_ddp_model, build_optimizer, make_forward_step
+    from megatron_boost.train.build import build_run
 
-    config = to_transformer_config(cfg, _torch_dtype(precision))
-    vocab = padded_vocab_size(cfg.model.vocab_size, cfg.parallel.tp)
-    t, o, par = cfg.training, cfg.optimizer, cfg.parallel
-    ddp = build_ddp_model(config, vocab, cfg.model.seq_length, seed,
-                          overlap_grad_reduce=par.overlap_grad_reduce,
-                          use_distributed_optimizer=par.use_distributed_optimizer,
-                          rotary_base=cfg.model.rotary_base)
-    optimizer = build_optimizer(config, ddp, lr=o.lr, min_lr=o.min_lr,
-                                weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                                adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                                clip_grad=o.clip_grad,
-                                use_distributed_optimizer=par.use_distributed_optimizer)
+    run = resolve_run(cfg, device, vocab_size=cfg.model.vocab_size).with_precision(precision)
+    built = build_run(run)
+    t = cfg.training
     gbs = t.micro_batch_size * (num_microbatches or t.global_batch_size // t.micro_batch_size)
     micro = synthetic_microbatches(cfg.model.vocab_size, cfg.model.seq_length,
-                                   t.micro_batch_size, gbs, seed + 1)
+                                   t.micro_batch_size, gbs, run.seed + 1)
     micro = [{k: v.to(device) for k, v in m.items()} for m in micro]
-    return Trainable(cfg, ddp, optimizer, make_forward_step(next), micro)
+    return Trainable(cfg, built.chunks, built.optimizer, built.forward_step, micro)
 
 
 def _step(tr: Trainable) -> dict:
@@ -616,12 +601,13 @@ def _layer_config(config_file: str, overrides: Sequence[str], mode: str, backend
                   device: str, precision: str = "bf16"):
     """The megatron config of one decoder layer (weights left uninitialised: only times and
     memory are measured)."""
-    from megatron_boost.config.run import to_transformer_config
+    from megatron_boost.config.resolved import resolve_run, to_transformer_config
 
     cfg = _load(config_file, [*overrides, "model.num_layers=1", "parallel.tp=1",
                               f"parallel.mode={mode}", f"model.attention_backend={backend}"],
                 device)
-    return cfg, to_transformer_config(cfg, _torch_dtype(precision), perform_initialization=False)
+    run = resolve_run(cfg, device, vocab_size=cfg.model.vocab_size).with_precision(precision)
+    return cfg, to_transformer_config(run, perform_initialization=False)
 
 
 def stage_attention(plan: Plan, work: Path) -> None:

@@ -91,11 +91,11 @@ def _setup(args) -> Dict:
     s["gb"] = args.global_batch_size or s["gb"]
     if not args.recommend:
         if s["gpus"] % (s["tp"] * s["pp"]):
-            raise SystemExit(f"--gpus {s['gpus']} is not a multiple of tp·pp = "
+            raise ValueError(f"--gpus {s['gpus']} is not a multiple of tp·pp = "
                              f"{s['tp'] * s['pp']}")
         s["dp"] = s["gpus"] // (s["tp"] * s["pp"])
         if s["gb"] and s["gb"] % (s["mb"] * s["dp"]):
-            raise SystemExit(f"global batch {s['gb']} is not a multiple of micro-batch "
+            raise ValueError(f"global batch {s['gb']} is not a multiple of micro-batch "
                              f"{s['mb']} × dp {s['dp']}")
     return s
 
@@ -142,7 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
-            raise SystemExit(f"--modes: unknown mode '{m}' (one of {', '.join(MODES)})")
+            raise ValueError(f"--modes: unknown mode '{m}' (one of {', '.join(MODES)})")
     if args.sizing_table:
         return _sizing_table(args.write)
     result: Dict = {"gpu": hw.name, "hardware": dataclasses.asdict(hw)}

@@ -11,10 +11,54 @@ error exceeds naive's (boost keeps its norm statistic in fp32 and rounds only r-
 from __future__ import annotations
 
 import argparse
+from typing import Dict, List, Sequence
 
 from megatron_boost.cli.arg_types import positive_int
+from megatron_boost.cli.errors import one_line_errors
 
-__all__ = ["main"]
+__all__ = ["main", "bf16_error_worker", "precision_models"]
+
+
+def precision_models(run):
+    """(fp32 model, bf16 model) of a resolved run at TP = world: one chunk each from the one
+    builder, the same initial weights (the bf16 one wrapped in Float16Module)."""
+    from megatron_boost.train.build import build_run
+
+    (fp32,) = build_run(run.with_precision("fp32"), training=False).chunks
+    (bf16,) = build_run(run.with_precision("bf16"), training=False).chunks
+    return fp32.train(), bf16.train()
+
+
+def bf16_error_worker(rank: int, world: int, config_path: str, overrides: Sequence[str],
+                      modes: Sequence[str]) -> List[Dict[str, float]]:
+    """In each of ``world`` = tp gloo processes: per mode, the relative bf16 errors of the
+    losses and of the embedding-output gradient (rank 0's view; every TP rank holds the
+    same losses). Both models come from the one builder, resolved for this process (the
+    tokenizer's padded vocabulary, the rotary base, the seed)."""
+    import torch
+
+    from megatron_boost.analysis.precision import losses_and_grad, relative_error, round_to_bf16_
+    from megatron_boost.config.resolved import resolve_run
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.train.step import initialize_parallel
+
+    base = load_run_config(config_path, [*overrides, f"parallel.tp={world}"])
+    initialize_parallel(world, 1, None, base.training.seed)
+    vocab = resolve_run(base).vocab_size
+    gen = torch.Generator().manual_seed(base.training.seed)
+    tokens = torch.randint(0, vocab, (base.training.micro_batch_size,
+                                      base.model.seq_length + 1), generator=gen)
+    rows = []
+    for mode in modes:
+        run = resolve_run(load_run_config(config_path, [*overrides, f"parallel.tp={world}",
+                                                        f"parallel.mode={mode}"]))
+        ref_model, bf16_model = precision_models(run)
+        round_to_bf16_(ref_model)
+        ref_loss, ref_grad = losses_and_grad(ref_model, tokens)
+        loss, grad = losses_and_grad(bf16_model, tokens)
+        rows.append({"mode": mode, "loss_rel_err": relative_error(loss, ref_loss),
+                     "grad_rel_err": relative_error(grad, ref_grad)})
+    return rows
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -27,9 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_boost.analysis.precision import bf16_error_worker
     from megatron_boost.runtime.spawn import run_distributed
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

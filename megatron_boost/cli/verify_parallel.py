@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_boost.cli.arg_types import positive_int
-import sys
+from megatron_boost.cli.errors import one_line_errors
 
 
 def tiny_model(model: dict, tp: int, layers: int) -> dict:
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 def _layout(args):
     """The LayoutSpec of the command line (validated: raises ValueError for a bad one)."""
     from megatron_boost.config.run import load_run_config
-    from megatron_boost.verification import LayoutSpec, model_config
+    from megatron_boost.testing.verification import LayoutSpec, model_config
 
     cfg = load_run_config(args.config, args.overrides)
     model = dict(vars(cfg.model))
@@ -78,7 +78,7 @@ def _layout(args):
 
 def _report(results) -> bool:
     """Print one line per rank and check, and the final line; True when every check passed."""
-    from megatron_boost.verification import TOLERANCES
+    from megatron_boost.testing.verification import TOLERANCES
 
     ok = True
     for rank, r in enumerate(results):
@@ -96,23 +96,20 @@ def _report(results) -> bool:
     return ok
 
 
+@one_line_errors
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
 
     from megatron_boost.runtime.spawn import run_distributed
-    from megatron_boost.verification import reference_spec, run_layout
+    from megatron_boost.testing.verification import reference_spec, run_layout
 
-    try:
-        spec = _layout(args)
-        world = args.tp * args.pp * args.dp
-        print(f"layout: mode={spec.mode} tp={args.tp} pp={args.pp} vpp={args.vpp} "
-              f"dp={args.dp} world={world} model={'tiny' if args.tiny else 'as configured'}")
-        ref_spec = reference_spec(spec)
-        reference = run_distributed(run_layout, 1, ref_spec)[0]
-        print(f"reference (one process, {ref_spec.mode}): "
-              f"loss={reference['loss']:.6f} grad_norm={reference['grad_norm']:.6f}")
-        results = run_distributed(run_layout, world, spec, reference)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    spec = _layout(args)
+    world = args.tp * args.pp * args.dp
+    print(f"layout: mode={spec.mode} tp={args.tp} pp={args.pp} vpp={args.vpp} "
+          f"dp={args.dp} world={world} model={'tiny' if args.tiny else 'as configured'}")
+    ref_spec = reference_spec(spec)
+    reference = run_distributed(run_layout, 1, ref_spec)[0]
+    print(f"reference (one process, {ref_spec.mode}): "
+          f"loss={reference['loss']:.6f} grad_norm={reference['grad_norm']:.6f}")
+    results = run_distributed(run_layout, world, spec, reference)
     return 0 if _report(results) else 1

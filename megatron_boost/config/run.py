@@ -16,19 +16,17 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
 import yaml
 
+from megatron_boost.config.transformer import default_rank
 from megatron_boost.config.yaml_io import read_yaml_mapping
-from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
 from megatron_boost.config.validation import validate_run_config
 from megatron_boost.data.datasets import DataConfig
-from megatron_boost.runtime.backends import attention_backend_for_run
 
 __all__ = [
     "ModelConfig", "ParallelConfig", "TrainingConfig", "OptimizerConfig", "LoggingConfig",
     "CheckpointConfig", "RunConfig", "load_run_config", "apply_overrides",
-    "drop_budget_overridden_on_command_line", "to_transformer_config",
+    "drop_budget_overridden_on_command_line",
 ]
 
 
@@ -77,7 +75,8 @@ class ModelConfig:
     (Transformer Engine, CUDA only)."""
 
     def resolved_ranks(self) -> tuple:
-        rank = max(1, int(round(self.rank_ratio * self.hidden_size)))
+        """(attn_rank, mlp_rank): the given ranks, else the default rank of rank_ratio."""
+        rank = default_rank(self.hidden_size, self.rank_ratio)
         return (self.attn_rank or rank, self.mlp_rank or rank)
 
 
@@ -354,43 +353,6 @@ def load_run_config(path: Optional[str], overrides: Sequence[str] = (),
                              f"{sorted(known)}")
         setattr(cfg, section, _build(type(getattr(cfg, section)), values, section, where))
     return cfg.validate(world_size)
-
-
-def to_transformer_config(cfg: RunConfig, params_dtype: torch.dtype = torch.float32,
-                          **extra) -> BoostTransformerConfig:
-    """The megatron-core config (with the bottleneck fields) of a run."""
-    m, par = cfg.model, cfg.parallel
-    mode = TPMode.parse(par.mode)
-    attn_rank, mlp_rank = m.resolved_ranks() if mode.is_lowrank else (None, None)
-    lowrank_recompute = cfg.training.recompute == "lowrank"
-    recompute = None if lowrank_recompute else cfg.training.recompute
-    kwargs = dict(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        kv_channels=m.kv_channels, tensor_model_parallel_size=par.tp,
-        pipeline_model_parallel_size=par.pp,
-        virtual_pipeline_model_parallel_size=par.vpp, tp_mode=mode, attn_rank=attn_rank,
-        mlp_rank=mlp_rank, bottleneck_activation=m.bottleneck_activation,
-        mlp_gate_activation=m.mlp_gate_activation, cola_init=m.cola_init,
-        init_method_std=m.init_method_std, layernorm_epsilon=m.norm_epsilon,
-        normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
-        params_dtype=params_dtype, pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16, use_cpu_initialization=True,
-        recompute_granularity=recompute, lowrank_recompute=lowrank_recompute,
-        recompute_method="uniform" if recompute == "full" else None,
-        recompute_num_layers=1 if recompute == "full" else None,
-        # Interleaved pipelines with batched p2p give silently wrong results at PP=2 on gloo
-        # (docs/design.md §10.6); unbatched p2p is correct everywhere, so it is used with vpp.
-        batch_p2p_comm=not par.vpp,
-        attention_backend=attention_backend_for_run(cfg)[0],
-        overlap_bottleneck_grad_reduce=par.overlap_bottleneck_grad_reduce,
-    )
-    kwargs.update(extra)
-    return BoostTransformerConfig(**kwargs)
 
 
 def field_docs(cls) -> Dict[str, str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,10 @@ __all__ = [
     "BOTTLENECK_ACTIVATIONS",
     "register_bottleneck_activation",
     "get_bottleneck_activation",
+    "default_rank",
+    "tp_sharded_sizes",
+    "check_divisible_by_tp",
+    "check_tp_split",
 ]
 
 
@@ -119,7 +123,7 @@ class BoostTransformerConfig(TransformerConfig):
     attention_backend: str = "local"
     """Core attention of every layer: sdpa (torch scaled_dot_product_attention), local
     (megatron's DotProductAttention) or te (Transformer Engine). Runs take it from
-    ``model.attention_backend`` through ``runtime.backends.attention_backend_for_run``."""
+    ``model.attention_backend``, resolved for the process by ``config.resolved.resolve_run``."""
 
     def __post_init__(self):
         self.tp_mode = TPMode.parse(self.tp_mode)
@@ -157,38 +161,59 @@ class BoostTransformerConfig(TransformerConfig):
 
     def _check_tp_split(self) -> None:
         """Every dimension the mode shards must divide by the tensor-parallel size."""
-        tp = self.tensor_model_parallel_size
-        heads = self.num_attention_heads
-        groups = self.num_query_groups if self.num_query_groups is not None else heads
-        if self.tp_mode is TPMode.NAIVE:
-            # A is column-parallel over the rank dimension (local r/tp rows).
-            for name in ("attn_rank", "mlp_rank"):
-                value = getattr(self, name)
-                if value % tp:
-                    raise ValueError(
-                        f"{name} ({value}) must be divisible by tensor_model_parallel_size "
-                        f"({tp}) in naive mode (A is split along the rank); choose a multiple "
-                        f"of {tp}")
-        if self.tp_mode is TPMode.BOOST and self.hidden_size % tp:
-            # The residual stream is sharded along the hidden dimension (docs/design.md §2).
+        check_tp_split(self.tp_mode, self.tensor_model_parallel_size,
+                       hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
+                       num_attention_heads=self.num_attention_heads,
+                       num_query_groups=self.num_query_groups, attn_rank=self.attn_rank,
+                       mlp_rank=self.mlp_rank)
+
+
+def default_rank(hidden_size: int, rank_ratio: float = 0.25) -> int:
+    """The bottleneck rank when none is given: round(rank_ratio · d), at least 1 (CoLA uses
+    about d/4)."""
+    return max(1, int(round(rank_ratio * hidden_size)))
+
+
+def tp_sharded_sizes(mode, *, hidden_size: int, ffn_hidden_size: Optional[int],
+                     num_attention_heads: int, num_query_groups: Optional[int],
+                     attn_rank: Optional[int], mlp_rank: Optional[int]
+                     ) -> List[Tuple[str, int, str]]:
+    """(name, size, why) of every size that ``mode`` splits over the TP ranks (docs/design.md
+    §2). boost never shards the rank (the bottleneck is replicated after its all-reduce)."""
+    mode = TPMode.parse(mode)
+    groups = num_query_groups if num_query_groups is not None else num_attention_heads
+    sizes = []
+    if mode is TPMode.NAIVE:
+        sizes += [(name, value, "A is split along the rank")
+                  for name, value in (("attn_rank", attn_rank), ("mlp_rank", mlp_rank))]
+    if mode is TPMode.BOOST:
+        sizes.append(("hidden_size", hidden_size,
+                      "the residual stream is sharded along the hidden dimension"))
+    if mode in (TPMode.BOOST, TPMode.FULL) and ffn_hidden_size is not None:
+        sizes.append(("ffn_hidden_size", ffn_hidden_size,
+                      "the MLP is sharded along the ffn dimension"))
+    # megatron's TransformerConfig requires heads and groups to divide in every mode (full
+    # and boost shard attention by heads, each rank holding whole key/value groups).
+    sizes += [("num_attention_heads", num_attention_heads, "attention is split by heads"),
+              ("num_query_groups", groups, "each rank holds whole key/value groups")]
+    return sizes
+
+
+def check_divisible_by_tp(tp: int, sizes: Iterable[Tuple[str, int, str]], mode) -> None:
+    """Raise ValueError naming the first (name, size, why) not divisible by ``tp``."""
+    for name, size, why in sizes:
+        if size is not None and size % tp:
             raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by "
-                f"tensor_model_parallel_size ({tp}) in boost mode: the residual stream is "
-                f"sharded along the hidden dimension")
-        if self.tp_mode in (TPMode.BOOST, TPMode.FULL):
-            if self.ffn_hidden_size is not None and self.ffn_hidden_size % tp:
-                raise ValueError(
-                    f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
-                    f"tensor_model_parallel_size ({tp}) in {self.tp_mode.value} mode: the MLP "
-                    f"is sharded along the ffn dimension")
-        if heads % tp:
-            raise ValueError(
-                f"num_attention_heads ({heads}) must be divisible by "
-                f"tensor_model_parallel_size ({tp})")
-        if groups % tp:
-            raise ValueError(
-                f"num_query_groups ({groups}) must be divisible by "
-                f"tensor_model_parallel_size ({tp}): each rank holds whole key/value groups")
-        if heads % groups:
-            raise ValueError(
-                f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
+                f"{name} ({size}) must be divisible by tensor_model_parallel_size ({tp}) in "
+                f"{TPMode.parse(mode).value} mode ({why}); choose a multiple of {tp}")
+
+
+def check_tp_split(mode, tp: int, **sizes) -> None:
+    """The one TP-divisibility rule (config validation, the layers' model, the perf model):
+    every size :func:`tp_sharded_sizes` lists divides by ``tp``, and heads by query groups."""
+    check_divisible_by_tp(tp, tp_sharded_sizes(mode, **sizes), mode)
+    heads = sizes["num_attention_heads"]
+    groups = sizes.get("num_query_groups") or heads
+    if heads % groups:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")

@@ -21,21 +21,16 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from megatron_boost.config.run import RunConfig, load_run_config, to_transformer_config
+from megatron_boost.config.resolved import ResolvedRun, padded_vocab_size, resolve_run
+from megatron_boost.config.run import RunConfig, load_run_config
 from megatron_boost.data.datasets import build_tokenizer
-from megatron_boost.model.gpt import build_model, padded_vocab_size
-from megatron_boost.model.init import init_global_weights, sharded_params
+from megatron_boost.model.init import sharded_params
+from megatron_boost.train.build import build_run
 from megatron_boost.train.checkpointing import TRACKER_FILE, find_checkpoint, save_checkpoint
 from megatron_boost.train.distributed import init_distributed, init_world_of_one, shutdown
 from megatron_boost.train.resilience import process_group_timeout
 from megatron_boost.train.state import TrainState
-from megatron_boost.train.step import (
-    _run_schedule,
-    build_ddp_model,
-    build_optimizer,
-    initialize_parallel,
-    make_forward_step,
-)
+from megatron_boost.train.step import initialize_parallel, make_forward_step, run_schedule
 
 __all__ = [
     "RunConfig", "load_run_config", "build_tokenizer", "padded_vocab_size", "TRACKER_FILE",
@@ -118,20 +113,23 @@ def single_process_config(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def single_process_run(cfg: RunConfig, vocab_rows: int) -> ResolvedRun:
+    """``cfg`` resolved at TP = PP = 1 in fp32 on this process, with ``vocab_rows`` embedding
+    rows (a checkpoint's, or the importer's padding); no tokenizer is read."""
+    return resolve_run(single_process_config(cfg), vocab_size=vocab_rows,
+                       padded_vocab=vocab_rows)
+
+
 def build_single_model(cfg: RunConfig, vocab_rows: int):
-    """The model of ``cfg`` at TP = PP = 1 (one chunk), fp32, in eval mode."""
-    config = to_transformer_config(single_process_config(cfg), torch.float32)
-    model = build_model(config, vocab_rows, cfg.model.seq_length,
-                        rotary_base=cfg.model.rotary_base)[0]
-    return model.eval()
+    """The model of ``cfg`` at TP = PP = 1 (one chunk), fp32, in eval mode, with the
+    trainer's layout-independent initial weights of ``cfg``'s seed (``docs/design.md §8``)."""
+    return build_run(single_process_run(cfg, vocab_rows), training=False).chunks[0]
 
 
 def initialised_single_model(cfg: RunConfig, vocab_rows: int):
-    """The TP = 1 model with the trainer's layout-independent initial weights of ``cfg``'s seed
-    (``docs/design.md §8``): the reference any layout's untrained checkpoint must reproduce."""
-    model = build_single_model(cfg, vocab_rows)
-    init_global_weights([model], cfg.training.seed, model.config)
-    return model
+    """The TP = 1 model with the trainer's initial weights: the reference any layout's
+    untrained checkpoint must reproduce (every built model starts from them)."""
+    return build_single_model(cfg, vocab_rows)
 
 
 def global_weights(model) -> Dict[str, torch.Tensor]:
@@ -183,23 +181,12 @@ def save_weights_as_checkpoint(cfg: RunConfig, weights: Dict[str, torch.Tensor],
     """Write ``weights`` as iteration 0 of a trainer checkpoint (the trainer's own save code:
     model, fresh optimizer and scheduler state, run config), a start for a run in any layout
     with ``checkpoint.init_from=<save_dir>``."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    single = single_process_config(cfg)
-    config = to_transformer_config(single, torch.float32)
-    ddp = build_ddp_model(config, vocab_rows, cfg.model.seq_length, cfg.training.seed,
-                          rotary_base=cfg.model.rotary_base)
-    set_weights(ddp[0].module, weights)
-    o = cfg.optimizer
-    optimizer = build_optimizer(config, ddp, lr=o.lr, min_lr=o.min_lr,
-                                weight_decay=o.weight_decay)
-    # A placeholder schedule: the trainer's configuration replaces it on load
-    # (override_opt_param_scheduler); only the step count, 0, is kept.
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=0,
-        lr_decay_steps=1, lr_decay_style="cosine", start_wd=o.weight_decay,
-        end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
-    return save_checkpoint(save_dir, TrainState(), ddp, optimizer, scheduler, cfg)
+    built = build_run(single_process_run(cfg, vocab_rows))
+    set_weights(built.chunks[0].module, weights)
+    # The scheduler's settings are the configuration's; the trainer's configuration replaces
+    # them on load anyway (override_opt_param_scheduler): only the step count, 0, is kept.
+    return save_checkpoint(save_dir, TrainState(), built.chunks, built.optimizer,
+                           built.scheduler, cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,10 +211,9 @@ def launched_world(cfg: RunConfig, device: str) -> Iterator[torch.device]:
 def launched_model(cfg: RunConfig, ckpt: Path, device: torch.device) -> List:
     """This rank's model chunks of ``cfg``'s layout in fp32 and eval mode, holding the
     checkpoint's weights (resharded from whatever layout it was saved in)."""
-    config = to_transformer_config(cfg, torch.float32)
-    chunks = build_model(config, saved_vocab_rows(ckpt), cfg.model.seq_length,
-                         rotary_base=cfg.model.rotary_base)
-    chunks = [chunk.to(device).eval() for chunk in chunks]
+    rows = saved_vocab_rows(ckpt)
+    run = resolve_run(cfg, device.type, vocab_size=rows, padded_vocab=rows)
+    chunks = build_run(run.with_precision("fp32"), training=False).chunks
     load_chunk_weights(chunks, ckpt)
     return chunks
 
@@ -239,8 +225,8 @@ def forward_only_losses(chunks: List, microbatches: List[dict], seq_length: int,
     position_ids), through the trainer's forward step and megatron's forward-only schedule;
     empty off the last pipeline stage."""
     iterators = [iter(microbatches) for _ in chunks]  # every virtual chunk reads the same data
-    losses = _run_schedule(make_forward_step(next), iterators, chunks, len(microbatches),
-                           seq_length, micro_batch_size, forward_only=True)
+    losses = run_schedule(make_forward_step(next), iterators, chunks, len(microbatches),
+                          seq_length, micro_batch_size, forward_only=True)
     return [float(loss["lm loss"]) for loss in losses]
 
 

@@ -19,7 +19,6 @@ elements, same memory) and its stage input back.
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch
@@ -45,24 +44,17 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
 from megatron_boost.model.specs import (
-    _replicated_decoder_pgs,
     default_pg_collection,
     get_layer_spec,
+    replicated_decoder_pgs,
     te_norm,
 )
 from megatron_boost.parallel.mappings import gather_from_tensor_model_parallel_region
 
 __all__ = [
     "BottleneckGPTModel", "GatheredRMSNorm", "HiddenShardedEmbedding", "build_model",
-    "init_global_weights", "padded_vocab_size", "schedule_seq_length",
+    "schedule_seq_length",
 ]
-
-
-def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
-    """Vocabulary padded to a multiple of lcm(128, tp): the same global size at every TP size
-    that divides 128, so checkpoints move between layouts."""
-    m = multiple * tp // math.gcd(multiple, tp)
-    return int(math.ceil(vocab_size / m) * m)
 
 
 def schedule_seq_length(config: BoostTransformerConfig, seq_length: int) -> int:
@@ -147,7 +139,7 @@ class BottleneckGPTModel(GPTModel):
         pgs = pg_collection or default_pg_collection()
         tp_group = pgs.tp
         mode = config.tp_mode
-        decoder_pgs = _replicated_decoder_pgs(pgs) if mode is TPMode.NAIVE else pgs
+        decoder_pgs = replicated_decoder_pgs(pgs) if mode is TPMode.NAIVE else pgs
         spec = get_block_spec(config, tp_group, vp_stage=vp_stage,
                               pp_rank=get_pg_rank(pgs.pp))
         super().__init__(

@@ -27,7 +27,7 @@ of a layer spec (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -36,7 +36,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from megatron_boost.config.transformer import BoostTransformerConfig, TPMode, get_bottleneck_activation
+from megatron_boost.config.transformer import (
+    BoostTransformerConfig, TPMode, check_divisible_by_tp, get_bottleneck_activation)
 from megatron_boost.model.init import cola_init_
 from megatron_boost.parallel.mappings import (
     bottleneck_up,
@@ -144,11 +145,9 @@ class BottleneckGroup(MegatronModule):
                  + [(f"output size of '{p.name}'", p.out_size) for p in self.projections]
                  if self._a_axis == 1 else
                  [(f"rank of '{p.name}'", p.rank) for p in self.projections])
-        for what, size in sizes:
-            if size % self.tp_size:
-                raise ValueError(
-                    f"{type(self).__name__}: {what} ({size}) must be divisible by "
-                    f"tensor_model_parallel_size ({self.tp_size}) in {self.mode.value} mode")
+        check_divisible_by_tp(self.tp_size, [(f"{type(self).__name__}: {what}", size,
+                                               "this layer's split")
+                                              for what, size in sizes], self.mode)
 
     def factors(self, which: str) -> List[torch.nn.Parameter]:
         return [getattr(self, f"{which}_{p.name}") for p in self.projections]
@@ -193,27 +192,6 @@ class BottleneckGroup(MegatronModule):
         return make_sharded_tensors_for_checkpoint(
             state, prefix, axis_map, sharded_offsets, tp_group=self.tp_group,
             dp_cp_group=dp_cp_group)
-
-    def global_shapes(self) -> Dict[str, tuple]:
-        """Global (unsharded) shape of every parameter, by name."""
-        shapes = {}
-        for p in self.projections:
-            shapes[f"A_{p.name}"] = (p.rank, self.input_size)
-            shapes[f"B_{p.name}"] = (p.out_size, p.rank)
-        if self.fuse_norm:
-            shapes["layer_norm_weight"] = (self.input_size,)
-        return shapes
-
-    def shard_of(self, name: str, global_tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a global parameter (for loading and for tests)."""
-        param = getattr(self, name)
-        return global_tensor.chunk(self.tp_size, dim=param.partition_dim)[self.tp_rank]
-
-    def load_global_weights(self, weights: Dict[str, torch.Tensor]) -> None:
-        """Copy this rank's slices of the given global tensors into the parameters."""
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                getattr(self, name).copy_(self.shard_of(name, tensor))
 
 
 class BoostBottleneckGroup(BottleneckGroup):

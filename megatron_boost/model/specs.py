@@ -4,7 +4,7 @@ decoder group of the naive mode.
 * full:  megatron-core's local spec (RMSNorm, SwiGLU, RoPE, no biases): the full-rank baseline.
 * naive: the naive bottleneck linears in the four linear slots. Attention, the MLP activation
          and the norms run on the replicated stream, duplicated on every TP rank, so the
-         decoder is built with a one-rank "TP" group (:func:`_replicated_decoder_pgs`) and the
+         decoder is built with a one-rank "TP" group (:func:`replicated_decoder_pgs`) and the
          bottlenecks receive the real TP group from the spec.
 * boost: BoostLinearQKV / BoostLinearFC1 (fused online-RMSNorm, docs/design.md §3) and
          BoostLinearRow; IdentityOp for input_layernorm / pre_mlp_layernorm.
@@ -46,19 +46,19 @@ from megatron_boost.model.layers import (
 )
 from megatron_boost.parallel.recompute import lowrank_checkpoint
 
-__all__ = ["get_layer_spec", "BottleneckTransformerLayer", "default_pg_collection", "te_norm"]
+__all__ = ["get_layer_spec", "BottleneckTransformerLayer", "default_pg_collection", "te_norm",
+           "replicated_decoder_pgs"]
 
 _SELF_GROUP = {}
 
 
 def _self_group():
-    """A process group holding only this rank (created collectively, once)."""
+    """A process group holding only this rank, created once per process. With
+    ``use_local_synchronization`` only the group's members take part in its creation, so each
+    rank makes one call for its own group instead of every rank creating all world-size
+    one-rank groups (O(world) collective calls)."""
     if "group" not in _SELF_GROUP:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        for r in range(world):  # every rank must create every group, in the same order
-            g = dist.new_group([r])
-            if r == rank:
-                _SELF_GROUP["group"] = g
+        _SELF_GROUP["group"] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
     return _SELF_GROUP["group"]
 
 
@@ -67,7 +67,7 @@ def default_pg_collection() -> ProcessGroupCollection:
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
-def _replicated_decoder_pgs(pgs: ProcessGroupCollection) -> ProcessGroupCollection:
+def replicated_decoder_pgs(pgs: ProcessGroupCollection) -> ProcessGroupCollection:
     """The naive decoder's groups: TP replaced by a one-rank group (attention, MLP activation
     and norms run on the full, replicated tensors)."""
     naive = copy.copy(pgs)

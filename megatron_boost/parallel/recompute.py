@@ -178,6 +178,25 @@ def installed(modules: List[torch.nn.Module], reductions: ForwardReductions):
             m.forward_reductions = None
 
 
+def _rng_states():
+    """The CPU and CUDA generator states and megatron's RNG tracker states (the tensor-parallel
+    dropout streams), the three that megatron's own checkpoint function saves."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
+
+
+def _set_rng_states(states) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    cpu, cuda, tracker = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    get_cuda_rng_tracker().set_states(tracker)
+
+
 class _LowRankCheckpoint(torch.autograd.Function):
     """Low-rank activation checkpointing of one decoder layer.
 
@@ -190,7 +209,7 @@ class _LowRankCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_fn, modules, hidden):
         ctx.run_fn, ctx.modules = run_fn, modules
-        ctx.rng = torch.get_rng_state()
+        ctx.rng = _rng_states()
         # The autograd engine runs backward with an empty torch-function-mode stack; the
         # recompute must see the same modes as the forward (CPU mode is one, docs/design.md §9).
         ctx.modes = torch.overrides._get_current_function_mode_stack()
@@ -203,8 +222,8 @@ class _LowRankCheckpoint(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, *recorded = ctx.saved_tensors
         hidden = hidden.detach().requires_grad_(hidden.requires_grad)
-        rng = torch.get_rng_state()
-        torch.set_rng_state(ctx.rng)
+        rng = _rng_states()
+        _set_rng_states(ctx.rng)  # the recompute draws the forward's dropout masks
         with contextlib.ExitStack() as modes:
             for mode in ctx.modes:
                 modes.enter_context(mode)
@@ -212,7 +231,7 @@ class _LowRankCheckpoint(torch.autograd.Function):
             with torch.enable_grad(), installed(ctx.modules, replay):
                 out = ctx.run_fn(hidden)
             replay.check_consumed()
-        torch.set_rng_state(rng)
+        _set_rng_states(rng)
         torch.autograd.backward(out, grad)
         return None, None, hidden.grad
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
+from megatron_boost.runtime.devices import PEAK_DENSE_BF16_TFLOPS
+
 __all__ = ["HardwareSpec", "HARDWARE", "hardware", "SUSTAINED_A100", "BYTES_ACT",
            "BYTES_WEIGHT", "BYTES_GRAD", "BYTES_OPTIM", "OPTIMIZER_BYTES_PER_PARAM",
            "CE_BYTES_FWD", "CE_BYTES_BWD"]
@@ -80,7 +82,9 @@ class HardwareSpec:
 SUSTAINED_A100 = 0.80
 
 _A100_COMMON = dict(
-    peak_bf16_tflops=312.0,    # NVIDIA A100 datasheet: 312 TFLOP/s dense BF16 (SXM4, 1410 MHz)
+    # The one peak table (runtime/devices.py, also the trainer's MFU denominator): 312 TFLOP/s
+    # dense BF16 (A100 SXM4 datasheet, 1410 MHz).
+    peak_bf16_tflops=PEAK_DENSE_BF16_TFLOPS["NVIDIA A100-SXM4-80GB"],
     sustained_clock_ratio=SUSTAINED_A100,  # calibrated, see SUSTAINED_A100 above
     nvlink_gb_s=300.0,         # NVLink3, 12 links x 25 GB/s: 600 GB/s bidirectional per GPU,
                                # 300 GB/s per direction
@@ -118,7 +122,8 @@ _A100_COMMON = dict(
 )
 
 _H100_COMMON = dict(
-    peak_bf16_tflops=989.0,    # NVIDIA H100/H200 SXM datasheet: 989 TFLOP/s dense BF16
+    # The one peak table (runtime/devices.py): 989 TFLOP/s dense BF16 (H100/H200 SXM datasheet).
+    peak_bf16_tflops=PEAK_DENSE_BF16_TFLOPS["NVIDIA H100 80GB HBM3"],
     sustained_clock_ratio=0.90,  # assumption (NOT calibrated): the A100 microbenchmark-to-
                                  # training factor is 0.80; η_max below is already a sustained
                                  # figure, so only part of that factor is applied

@@ -64,9 +64,9 @@ Model of one kernel (all times in seconds; P = bf16 peak × sustained_clock_rati
   last micro-batch by a fraction ``dp_overlap`` when ``overlap_grad_reduce`` is on.
 * Optimizer: fused Adam is HBM-bound: ``OPTIMIZER_BYTES_PER_PARAM`` bytes per local parameter.
 
-``mfu`` counts model FLOPs: 6 per parameter per token (layers + LM head) plus the causal
-attention core (half the s×s square) forward and backward; naive's duplicated work is not
-counted.
+``mfu`` counts model FLOPs as the trainer does (``analysis/flops.py``, megatron-LM's
+convention): 6 per projection parameter per token (layers + LM head) plus the causal attention
+core (half the s×s square), backward = 2 × forward; naive's duplicated work is not counted.
 
 The widths (d, f, heads, ranks, parameters per projection) all come from the one
 :class:`~megatron_boost.analysis.shape.ModelShape`, the TP collective widths from
@@ -82,11 +82,13 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from megatron_boost.analysis.comm import tp_comm_widths
+from megatron_boost.analysis.flops import step_flops
 from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.transformer import check_tp_split
 from megatron_boost.perf.hardware import (BYTES_ACT, BYTES_GRAD, BYTES_OPTIM, BYTES_WEIGHT,
                                           CE_BYTES_BWD, CE_BYTES_FWD,
                                           OPTIMIZER_BYTES_PER_PARAM, HardwareSpec)
-from megatron_boost.perf.kernels import (allgather_time, allreduce_time, attention_flops_fwd,
+from megatron_boost.perf.kernels import (allgather_time, allreduce_time,
                                          attention_time, elementwise_time, gemm_time, p2p_time)
 
 __all__ = ["MODES", "RECOMPUTE", "Layout", "Prediction", "LayerWork", "layer_work",
@@ -324,11 +326,10 @@ def _validate(shape: ModelShape, layout: Layout) -> None:
         raise ValueError("recompute 'lowrank' needs a bottleneck model (mode naive or boost)")
     if p > shape.num_layers:
         raise ValueError(f"pp ({p}) exceeds the number of layers ({shape.num_layers})")
-    if mode in ("full", "boost") and (shape.heads % t or shape.g % t):
-        raise ValueError(f"tp ({t}) must divide the attention heads ({shape.heads}) and query "
-                         f"groups ({shape.g}) in mode {mode}")
-    if mode != "full" and (shape.r_attn % t or shape.r_mlp % t):
-        raise ValueError(f"tp ({t}) must divide the ranks ({shape.r_attn}, {shape.r_mlp})")
+    # The trainer's own rule (boost never shards the rank, so r % t is not required there).
+    check_tp_split(mode, t, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
+                   num_attention_heads=shape.heads, num_query_groups=shape.g,
+                   attn_rank=shape.r_attn, mlp_rank=shape.r_mlp)
 
 
 @dataclass(frozen=True)
@@ -567,14 +568,9 @@ def _comm_volumes(st: _Setting, nl_max: int, grad_bytes: float) -> Dict:
 
 
 def _model_flops(st: _Setting, tokens: int) -> float:
-    """Model FLOPs of one iteration (no recompute): 6 per parameter per token for the layers
-    and the LM head, plus the causal attention core forward + backward (3.5 × forward)."""
-    shape, lay = st.shape, st.layout
-    lowrank = lay.mode != "full"
-    return (6 * tokens * (shape.num_layers * shape.layer_params(lowrank)
-                          + shape.vocab * shape.hidden)
-            + 3.5 * st.m * lay.dp * shape.num_layers
-            * attention_flops_fwd(lay.micro_batch, shape.seq_length, shape.heads, shape.e))
+    """Model FLOPs of one iteration: the trainer's count (``analysis/flops.py``: matmuls,
+    causal attention core, forward + backward = 3 × forward), so both MFUs compare."""
+    return step_flops(st.shape, st.layout.mode, tokens, st.shape.vocab, st.shape.seq_length)
 
 
 def predict(shape: ModelShape, layout: Layout, hw: HardwareSpec) -> Prediction:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Tuple
 
 __all__ = ["ATTENTION_BACKENDS", "check_attention_backend", "te_available",
-           "resolve_attention_backend", "attention_backend_for_run"]
+           "resolve_attention_backend"]
 
 #: Accepted values of ``model.attention_backend``.
 ATTENTION_BACKENDS = ("auto", "sdpa", "local", "te")
@@ -58,15 +58,3 @@ def resolve_attention_backend(requested: str, device: str,
         return "te", "auto: CUDA device and transformer_engine imports"
     return "sdpa", "auto: CUDA device but transformer_engine does not import"
 
-
-def attention_backend_for_run(cfg) -> Tuple[str, str]:
-    """(backend, reason) of a RunConfig: its ``model.attention_backend`` on the device the run
-    uses (``training.device``; ``auto`` is CUDA when available and CPU mode is not active)."""
-    import torch
-
-    from megatron_boost.runtime.cpu_mode import is_cpu_mode
-
-    device = cfg.training.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() and not is_cpu_mode() else "cpu"
-    return resolve_attention_backend(cfg.model.attention_backend, device, te_available())

@@ -29,7 +29,7 @@ from megatron_boost.train.megatron_fixes import inner_torch_optimizers
 
 __all__ = [
     "initialize_parallel", "build_ddp_model", "build_optimizer", "make_forward_step",
-    "train_step", "eval_step",
+    "run_schedule", "train_step", "eval_step",
 ]
 
 
@@ -49,10 +49,13 @@ def initialize_parallel(tp: int, pp: int, vpp: Optional[int], seed: int,
 def build_ddp_model(config: BoostTransformerConfig, vocab_size: int, seq_length: int,
                     seed: int, overlap_grad_reduce: bool = False,
                     use_distributed_optimizer: bool = False,
-                    rotary_base: int = 10000) -> List[DistributedDataParallel]:
+                    rotary_base: int = 10000,
+                    pg_collection=None) -> List[DistributedDataParallel]:
     """Build this rank's model chunks, initialise them layout-independently from ``seed``
-    and wrap each in megatron's DDP (fp32 gradient buffers)."""
-    chunks = build_model(config, vocab_size, seq_length, rotary_base=rotary_base)
+    and wrap each in megatron's DDP (fp32 gradient buffers). Entry points call
+    ``train.build.build_run``, which passes the resolved run's values."""
+    chunks = build_model(config, vocab_size, seq_length, pg_collection=pg_collection,
+                         rotary_base=rotary_base)
     init_global_weights(chunks, seed, config)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
@@ -128,8 +131,10 @@ def make_forward_step(get_batch: Callable[[Iterator], dict]):
     return forward_step
 
 
-def _run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches: int,
-                  seq_length: int, micro_batch_size: int, forward_only: bool):
+def run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, forward_only: bool):
+    """megatron's forward-backward function over this rank's chunks (one iterator per
+    chunk); returns the loss dicts of the micro-batches (empty off the last stage)."""
     config = ddp_chunks[0].config
     iters = data_iterators if len(ddp_chunks) > 1 else data_iterators[0]
     return get_forward_backward_func()(
@@ -137,6 +142,9 @@ def _run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches: in
         num_microbatches=num_microbatches,
         seq_length=schedule_seq_length(config, seq_length),
         micro_batch_size=micro_batch_size, forward_only=forward_only)
+
+
+_run_schedule = run_schedule  # this module's callers
 
 
 def _mean_loss(losses) -> Optional[float]:

@@ -39,17 +39,15 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     init_num_microbatches_calculator,
 )
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_boost.analysis.collectives import record_collectives
 from megatron_boost.analysis.flops import flops_per_token, peak_tflops
-from megatron_boost.config.run import to_transformer_config
-from megatron_boost.config.validation import lr_decay_iterations, train_iterations
+from megatron_boost.config.resolved import resolve_run
+from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.data.validation import validate_data_files
-from megatron_boost.model.gpt import padded_vocab_size
-from megatron_boost.runtime.backends import attention_backend_for_run
 from megatron_boost.train import step
+from megatron_boost.train.build import build_run
 from megatron_boost.train.checkpoint_guard import TRACKER_FILE, iter_dir_name
 from megatron_boost.train.checkpoint_writer import CheckpointWriter
 from megatron_boost.train.checkpointing import (
@@ -163,48 +161,30 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(
                 yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
-    def _precision(self) -> str:
-        precision = self.cfg.training.precision
-        if precision == "auto":
-            return "bf16" if self.device == "cuda" else "fp32"
-        return precision
-
     def _build_model(self) -> None:
-        cfg, par, o = self.cfg, self.cfg.parallel, self.cfg.optimizer
+        """Resolve the run for this process (device, precision, attention, the tokenizer's
+        padded vocabulary, process groups) and build it with the one builder."""
+        cfg = self.cfg
         self.data_cfg = dataclasses.replace(cfg.data)
         if self.data_cfg.mock and not self.data_cfg.tokenizer_model:
             self.data_cfg.mock_vocab_size = cfg.model.vocab_size
         self.tokenizer = build_tokenizer(self.data_cfg)
-        self.vocab = int(self.tokenizer.vocab_size) if self.data_cfg.tokenizer_model \
-            else cfg.model.vocab_size
-        self.padded_vocab = padded_vocab_size(self.vocab, par.tp)
-        params_dtype = torch.bfloat16 if self._precision() == "bf16" else torch.float32
-        config = to_transformer_config(cfg, params_dtype)
-        self.model = step.build_ddp_model(
-            config, self.padded_vocab, cfg.model.seq_length, cfg.training.seed,
-            overlap_grad_reduce=par.overlap_grad_reduce,
-            use_distributed_optimizer=par.use_distributed_optimizer,
-            rotary_base=cfg.model.rotary_base)
-        self.optimizer = step.build_optimizer(
-            config, self.model, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad, use_distributed_optimizer=par.use_distributed_optimizer)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_iters, lr_decay_steps=lr_decay_iterations(cfg),
-            lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=max(self.train_iters, 1), wd_incr_style="constant",
-            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+        self.run = resolve_run(cfg, self.device, tokenizer=self.tokenizer)
+        self.vocab, self.padded_vocab = self.run.vocab_size, self.run.padded_vocab_size
+        built = build_run(self.run, get_batch=self._batch_on_device)
+        self.model, self.optimizer, self.scheduler = built.chunks, built.optimizer, \
+            built.scheduler
+        self.forward_step = built.forward_step
         self._print_banner()
 
     def _print_banner(self) -> None:
         cfg, par, t = self.cfg, self.cfg.parallel, self.cfg.training
         m, gbs, seq = cfg.model, t.global_batch_size, cfg.model.seq_length
         n_params = sum(p.numel() for c in self.model for p in c.module.parameters())
-        attention, why = attention_backend_for_run(cfg)
+        attention, why = self.run.attention_backend, self.run.attention_reason
         print0(f"megatron-boost: mode={par.mode} tp={par.tp} pp={par.pp} vpp={par.vpp} "
                f"dp={self.dp} world={dist.get_world_size()} device={self.device} "
-               f"(training.device={t.device}) precision={self._precision()} "
+               f"(training.device={t.device}) precision={self.run.precision} "
                f"(training.precision={t.precision}) attention={attention} ({why}) | "
                f"layers={m.num_layers} d={m.hidden_size} "
                f"f={m.ffn_hidden_size} vocab={self.vocab} (padded {self.padded_vocab}) "
@@ -265,7 +245,6 @@ class Trainer:
             valid_samples=max(self.eval_iters, 1) * t.global_batch_size, test_samples=None)
         if self.valid_ds is None or len(self.valid_ds) == 0:
             self.eval_iters = 0
-        self.forward_step = step.make_forward_step(self._batch_on_device)
         self.train_forward_step = self.hooks.wrap_forward_step(
             self.forward_step, lambda: self.state.iteration + 1)
         self.train_iterators = self._iterators(self.train_ds, self.state.consumed_samples, None,

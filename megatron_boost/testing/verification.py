@@ -18,7 +18,8 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["LayoutSpec", "run_layout", "TOLERANCES"]
+__all__ = ["LayoutSpec", "run_layout", "TOLERANCES", "layout_run_config", "model_config",
+           "layout_batches", "build_layout", "reference_spec", "run_many", "model_collectives"]
 
 # fp32 tolerances. The layouts compute the same sums in different orders (split GEMMs,
 # all-reduce order, micro-batch accumulation), so results agree to fp32 rounding through two
@@ -51,20 +52,37 @@ class LayoutSpec:
     """Negative control: perturb one parameter shard before running."""
 
 
-def model_config(spec: LayoutSpec):
-    """(RunConfig, BoostTransformerConfig) of a layout; raises ValueError for a bad one."""
-    from megatron_boost.config.run import RunConfig, ModelConfig, to_transformer_config
+def layout_run_config(spec: LayoutSpec):
+    """The RunConfig of a layout (validated; raises ValueError for a bad one). Large Adam ε
+    keeps the first update a smooth function of the gradient (g / (|g| + ε)), so fp32 rounding
+    in tiny gradients cannot flip an update's sign; a small clip threshold makes the update
+    depend on the true global gradient norm; no warmup, so the one step runs at optimizer.lr."""
+    from megatron_boost.config.run import ModelConfig, OptimizerConfig, RunConfig
 
     cfg = RunConfig()
     cfg.model = ModelConfig(**{**asdict(ModelConfig()), **spec.model})
     cfg.model.seq_length = spec.seq_length
     cfg.parallel.mode, cfg.parallel.tp, cfg.parallel.pp = spec.mode, spec.tp, spec.pp
     cfg.parallel.vpp = spec.vpp
-    cfg.validate()
-    return cfg, to_transformer_config(cfg)
+    cfg.parallel.overlap_grad_reduce = spec.overlap_grad_reduce
+    cfg.parallel.use_distributed_optimizer = spec.use_distributed_optimizer
+    cfg.training.seed = spec.seed
+    cfg.training.micro_batch_size = spec.micro_batch_size
+    cfg.training.global_batch_size = spec.global_batch_size
+    cfg.optimizer = OptimizerConfig(lr=1e-2, min_lr=1e-3, warmup_iters=0, weight_decay=0.1,
+                                    adam_eps=1e-3, clip_grad=0.05)
+    return cfg.validate()
 
 
-def _batches(spec: LayoutSpec, vocab: int, dp: int, dp_rank: int):
+def model_config(spec: LayoutSpec):
+    """(RunConfig, BoostTransformerConfig) of a layout; raises ValueError for a bad one."""
+    from megatron_boost.config.resolved import resolve_run, to_transformer_config
+
+    cfg = layout_run_config(spec)
+    return cfg, to_transformer_config(resolve_run(cfg))
+
+
+def layout_batches(spec: LayoutSpec, vocab: int, dp: int, dp_rank: int):
     """This DP rank's synthetic micro-batches of the layout's global batch (seed + 1)."""
     from megatron_boost.data.synthetic import synthetic_microbatches
 
@@ -77,35 +95,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _build(spec: LayoutSpec):
-    """(cfg, DDP model chunks, optimizer, sharded_params entries) of a layout on this rank;
-    with ``spec.corrupt``, one parameter shard is perturbed (the negative control)."""
-    from megatron_boost.model.gpt import padded_vocab_size
+def build_layout(spec: LayoutSpec):
+    """(cfg, built run, sharded_params entries) of a layout on this rank, through the one
+    builder (``train.build.build_run``); with ``spec.corrupt``, one parameter shard is
+    perturbed (the negative control)."""
+    from megatron_boost.config.resolved import resolve_run
     from megatron_boost.model.init import sharded_params
-    from megatron_boost.train.step import build_ddp_model, build_optimizer, initialize_parallel
+    from megatron_boost.train.build import build_run
+    from megatron_boost.train.step import initialize_parallel
 
-    cfg, config = model_config(spec)
+    cfg = layout_run_config(spec)
     dp = initialize_parallel(spec.tp, spec.pp, spec.vpp, spec.seed)
     if spec.global_batch_size % (spec.micro_batch_size * dp):
         raise ValueError(f"global_batch_size ({spec.global_batch_size}) must be divisible by "
                          f"micro_batch_size·dp ({spec.micro_batch_size}·{dp})")
-    vocab = padded_vocab_size(cfg.model.vocab_size, spec.tp)
-    ddp = build_ddp_model(config, vocab, spec.seq_length, spec.seed,
-                          overlap_grad_reduce=spec.overlap_grad_reduce,
-                          use_distributed_optimizer=spec.use_distributed_optimizer)
-    # Large Adam ε keeps the first update a smooth function of the gradient (g / (|g| + ε)),
-    # so fp32 rounding in tiny gradients cannot flip an update's sign; a small clip threshold
-    # makes the update depend on the true global gradient norm.
-    optimizer = build_optimizer(config, ddp, lr=1e-2, min_lr=1e-3, weight_decay=0.1,
-                                adam_eps=1e-3, clip_grad=0.05,
-                                use_distributed_optimizer=spec.use_distributed_optimizer)
-    entries = [e for m in ddp for e in sharded_params(m.module)]
+    built = build_run(resolve_run(cfg))
+    entries = [e for m in built.chunks for e in sharded_params(m.module)]
     if spec.corrupt:
         # Negative control: swap two rows of one sharded matrix on this rank.
         key, _, _, param = next(e for e in entries if e[3].dim() == 2 and e[3].shape[0] > 1)
         with torch.no_grad():
             param[[0, 1]] = param[[1, 0]]
-    return cfg, ddp, optimizer, entries
+    return cfg, built, entries
 
 
 def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict] = None):
@@ -113,17 +124,16 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
     With it: return the worst relative differences against it."""
     from megatron.core import parallel_state
 
-    from megatron_boost.train.step import make_forward_step, train_step
+    from megatron_boost.train.step import train_step
 
-    cfg, ddp, optimizer, entries = _build(spec)
+    cfg, built, entries = build_layout(spec)
     before = {key: param.detach().clone() for key, _, _, param in entries}
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
-    micro = _batches(spec, cfg.model.vocab_size, dp, dp_rank)
-    iterators = [iter(list(micro)) for _ in ddp]
-    forward_step = make_forward_step(next)
-    result = train_step(forward_step, iterators, ddp, optimizer, len(micro), spec.seq_length,
-                        spec.micro_batch_size)
+    micro = layout_batches(spec, cfg.model.vocab_size, dp, dp_rank)
+    iterators = [iter(list(micro)) for _ in built.chunks]
+    result = train_step(built.forward_step, iterators, built.chunks, built.optimizer,
+                        len(micro), spec.seq_length, spec.micro_batch_size)
     grads = {key: param.main_grad.detach().clone() for key, _, _, param in entries}
     after = {key: param.detach().clone() for key, _, _, param in entries}
     updates = {k: after[k] - before[k] for k in after}
@@ -184,14 +194,14 @@ def model_collectives(rank: int, world: int, spec: LayoutSpec):
     from megatron.core import parallel_state
 
     from megatron_boost.analysis.collectives import record_collectives
-    from megatron_boost.model.gpt import padded_vocab_size
-    from megatron_boost.train.step import build_ddp_model, initialize_parallel
+    from megatron_boost.config.resolved import resolve_run
+    from megatron_boost.train.build import build_run
+    from megatron_boost.train.step import initialize_parallel
 
-    cfg, config = model_config(spec)
+    cfg = layout_run_config(spec)
     initialize_parallel(spec.tp, 1, None, spec.seed)
-    vocab = padded_vocab_size(cfg.model.vocab_size, spec.tp)
-    model = build_ddp_model(config, vocab, spec.seq_length, spec.seed)[0]
-    batch = _batches(spec, cfg.model.vocab_size, 1, 0)[0]
+    model = build_run(resolve_run(cfg)).chunks[0]
+    batch = layout_batches(spec, cfg.model.vocab_size, 1, 0)[0]
     with record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
         out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         out.float().mean().backward()

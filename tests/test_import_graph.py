@@ -1,0 +1,134 @@
+"""The package's rooms import only downwards, and no module uses another module's private names
+(docs/design.md §13).
+
+Read statically with ``ast`` (every import statement, at module level or inside a function), so
+a lazy import inside a function counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Iterator, Tuple
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_boost"
+
+#: The rooms from the lowest to the highest (docs/design.md §13). A module may import from its
+#: own room and from rooms below it, never from one above.
+ROOMS = ("runtime", "data", "config", "parallel", "model", "analysis", "perf", "train",
+         "convert", "testing", "cli")
+
+
+def _modules() -> Iterator[Tuple[str, Path]]:
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        yield ".".join(p for p in parts if p != "__init__"), path
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path) -> Iterator[Tuple[int, str, Tuple[str, ...]]]:
+    """(line, imported module, imported names) of every import of a megatron_boost module."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "megatron_boost":
+            yield node.lineno, node.module, tuple(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "megatron_boost":
+                    yield node.lineno, alias.name, ()
+
+
+def upward_imports():
+    """'module:line imports target' for every import from a higher room."""
+    found = []
+    for module, path in _modules():
+        room = _room(module)
+        if room not in ROOMS:
+            continue  # the package root (__init__) and console wrappers
+        for line, target, names in _imports(path):
+            for name in names or ("",):
+                full = f"{target}.{name}" if name else target
+                target_room = _room(target) or _room(full)
+                if target_room in ROOMS and ROOMS.index(target_room) > ROOMS.index(room):
+                    found.append(f"{module}:{line} imports {full} ({room} -> {target_room})")
+    return found
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _module_aliases(tree: ast.AST) -> dict:
+    """Local name -> megatron_boost module, for names bound to a module of the package
+    (``import megatron_boost.x.y as z``, ``from megatron_boost.x import y``)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("megatron_boost.") and a.asname:
+                    aliases[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.module \
+                and node.module.split(".")[0] == "megatron_boost":
+            base = PACKAGE.parent.joinpath(*node.module.split("."))
+            for a in node.names:
+                if (base / f"{a.name}.py").is_file() or (base / a.name).is_dir():
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    return aliases
+
+
+def private_imports():
+    """'module:line uses target._name' for every private name taken from another module, by
+    import or as an attribute of an imported module."""
+    found = []
+    for module, path in _modules():
+        tree = ast.parse(path.read_text())
+        for line, target, names in _imports(path):
+            if target != module:
+                found += [f"{module}:{line} imports {target}.{n}" for n in names
+                          if _is_private(n)]
+        aliases = _module_aliases(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and _is_private(node.attr)
+                    and aliases[node.value.id] != module):
+                found.append(f"{module}:{node.lineno} uses {aliases[node.value.id]}."
+                             f"{node.attr}")
+    return found
+
+
+def test_every_module_is_in_a_room():
+    rooms = {_room(m) for m, _ in _modules()} - {""}
+    assert rooms == set(ROOMS), f"rooms not in the order: {sorted(rooms - set(ROOMS))}"
+
+
+def test_no_import_from_a_higher_room():
+    assert upward_imports() == []
+
+
+def test_no_private_name_from_another_module():
+    assert private_imports() == []
+
+
+@pytest.mark.parametrize("source,expect", [
+    ("from megatron_boost.train.step import train_step\n", "upward"),
+    ("from megatron_boost.model.specs import _self_group\n", "private"),
+    ("from megatron_boost.model import specs\nspecs._self_group()\n", "private"),
+])
+def test_the_checks_see_a_violation(tmp_path, monkeypatch, source, expect):
+    """Negative control: a module of the analysis room that imports upwards, or a private name,
+    is reported."""
+    fake = tmp_path / "megatron_boost"
+    for room in ROOMS:
+        (fake / room).mkdir(parents=True)
+        (fake / room / "__init__.py").write_text("")
+    (fake / "analysis" / "bad.py").write_text(source)
+    (fake / "model" / "specs.py").write_text("def _self_group():\n    pass\n")
+    monkeypatch.setitem(globals(), "PACKAGE", fake)
+    found = upward_imports() if expect == "upward" else private_imports()
+    assert len(found) == 1 and "megatron_boost.analysis.bad:" in found[0], found
