@@ -117,6 +117,7 @@ def test_reference_yaml_is_current():
 
 def test_overlap_bottleneck_grad_reduce_is_settable():
     """The documented switch reaches the megatron config (and the layers read it there)."""
-    assert to_transformer_config(load_run_config(None)).overlap_bottleneck_grad_reduce is True
+    default = resolve_run(load_run_config(None), "cpu")
+    assert to_transformer_config(default).overlap_bottleneck_grad_reduce is True
     cfg = load_run_config(None, ["parallel.overlap_bottleneck_grad_reduce=false"])
-    assert to_transformer_config(cfg).overlap_bottleneck_grad_reduce is False
+    assert to_transformer_config(resolve_run(cfg, "cpu")).overlap_bottleneck_grad_reduce is False
