@@ -60,9 +60,11 @@ CPU_INDEX=https://download.pytorch.org/whl/cpu
 say() { echo "setup_env.sh: $*"; }
 die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
 
-resolve_python() {  # $PYTHON, or pyenv's pythonX.Y when it is not on PATH
-  local py=${PYTHON:-python3} found
-  if command -v "$py" >/dev/null 2>&1; then echo "$py"; return; fi
+resolve_python() {  # $PYTHON, or pyenv's pythonX.Y when it is not on PATH (or is a pyenv
+  local py=${PYTHON:-python3} found  # shim of a version that is not selected, which fails)
+  if command -v "$py" >/dev/null 2>&1 && "$py" -c "import sys" >/dev/null 2>&1; then
+    echo "$py"; return
+  fi
   if [[ "$py" =~ ^python([0-9]+\.[0-9]+)$ ]] && command -v pyenv >/dev/null 2>&1; then
     for found in "$(pyenv root)"/versions/"${BASH_REMATCH[1]}".*/bin/"$py"; do
       [ -x "$found" ] && { echo "$found"; return; }
