@@ -60,8 +60,10 @@ CPU_INDEX=https://download.pytorch.org/whl/cpu
 say() { echo "setup_env.sh: $*"; }
 die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
 
-resolve_python() {  # $PYTHON, or pyenv's pythonX.Y when it is not on PATH (or is a pyenv
-  local py=${PYTHON:-python3} found  # shim of a version that is not selected, which fails)
+# $PYTHON, or pyenv's pythonX.Y when it is not on PATH or is a pyenv shim of a version that is
+# not selected (the shim exists but fails).
+resolve_python() {
+  local py=${PYTHON:-python3} found
   if command -v "$py" >/dev/null 2>&1 && "$py" -c "import sys" >/dev/null 2>&1; then
     echo "$py"; return
   fi
