@@ -20,6 +20,12 @@ is handled here:
   megatron's own ``mcore`` strategy and :func:`async_calls_queue` returns its matching queue.
 * the distributed-optimizer reload defects (docs/design.md §10.5): which versions have which
   (:func:`optimizer_reload_defects`).
+
+Differences that need no branch, because one call serves every version: the checkpoint's
+common state moved from ``common.pt`` into the torch_dist shards in 0.17 (megatron's
+``load_common_state_dict`` reads both; train/checkpoint_guard.py), and 0.19's vocab-parallel
+loss reads ``LanguageModule.tp_group`` (naive mode sets it with ``pg_collection``;
+model/gpt.py).
 """
 
 from __future__ import annotations
