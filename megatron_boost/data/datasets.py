@@ -236,12 +236,11 @@ def build_tokenizer(data_cfg: DataConfig):
     """
     from megatron.core.tokenizers import MegatronTokenizer
 
+    from megatron_boost.compat import null_tokenizer
+
     if not data_cfg.tokenizer_model:
         # Mock data without a tokenizer file: Megatron's null tokenizer uses its last id as EOD.
-        return MegatronTokenizer.from_pretrained(
-            metadata_path={"library": "null", "model_type": "gpt"},
-            vocab_size=data_cfg.mock_vocab_size - 1,
-        )
+        return null_tokenizer(data_cfg.mock_vocab_size - 1)
     metadata = {"library": data_cfg.tokenizer_type, "model_type": "gpt", "chat_template": None}
     return MegatronTokenizer.from_pretrained(data_cfg.tokenizer_model, metadata_path=metadata)
 

@@ -161,7 +161,9 @@ class BottleneckGPTModel(GPTModel):
         rebuild them vocab-parallel over the real TP group, as in megatron (docs/design.md
         §10.9)."""
         config, tp_group = self.config, self.real_pg_collection.tp
-        self.pg_collection = self.real_pg_collection
+        # LanguageModule keeps both; the vocab-parallel loss reads tp_group (megatron-core 0.19;
+        # earlier versions took parallel_state's group there).
+        self.pg_collection, self.tp_group = self.real_pg_collection, tp_group
         if self.pre_process:
             self.embedding = LanguageModelEmbedding(
                 config=config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,

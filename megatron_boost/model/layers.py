@@ -36,13 +36,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from megatron_boost.compat import linear_with_dgrad_allreduce
 from megatron_boost.config.transformer import (
     BoostTransformerConfig, TPMode, check_divisible_by_tp, get_bottleneck_activation)
 from megatron_boost.model.init import cola_init_
 from megatron_boost.parallel.mappings import (
     bottleneck_up,
     copy_to_tensor_model_parallel_region,
-    linear_with_grad_accumulation_and_async_allreduce,
     reduce_from_tensor_model_parallel_region,
     split_project,
 )
@@ -273,9 +273,7 @@ class NaiveBottleneckGroup(BottleneckGroup):
         if not self.config.overlap_bottleneck_grad_reduce:
             return torch.matmul(copy_to_tensor_model_parallel_region(x, group=self.tp_group),
                                 a.t())
-        return linear_with_grad_accumulation_and_async_allreduce(
-            x, a, None, gradient_accumulation_fusion=False, allreduce_dgrad=self.tp_size > 1,
-            sequence_parallel=False, tp_group=self.tp_group)
+        return linear_with_dgrad_allreduce(x, a, self.tp_group, allreduce_dgrad=self.tp_size > 1)
 
 
 # ---------------------------------------------------------------------------------------------

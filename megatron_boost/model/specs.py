@@ -24,15 +24,12 @@ import copy
 
 import torch
 import torch.distributed as dist
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron_boost.compat import local_layer_spec, spec_submodules, te_layer_spec
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
 from megatron_boost.model.attention import core_attention_class
 from megatron_boost.model.layers import (
@@ -104,10 +101,10 @@ def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
     if config.tp_mode is TPMode.FULL and backend == "te":
         # megatron's own TE layer: fused norm + linear, TE attention and MLP (docs/design.md
         # §10.12), with the canonical checkpoint keys to which the local spec maps its norms.
-        return get_gpt_layer_with_transformer_engine_spec()
+        return te_layer_spec()
     # A private copy: megatron may hand out the same spec object to every caller.
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
-    spec.submodules.self_attention.submodules.core_attention = core_attention_class(backend)
+    spec = copy.deepcopy(local_layer_spec(normalization="RMSNorm"))
+    spec_submodules(spec.submodules.self_attention).core_attention = core_attention_class(backend)
     if config.tp_mode is TPMode.FULL:
         return spec
     spec.module = BottleneckTransformerLayer
@@ -127,8 +124,15 @@ def te_norm() -> type:
     return TENorm
 
 
+def _attention_and_mlp_slots(spec: ModuleSpec):
+    """The linear slots of a layer spec's attention and MLP (the MLP's is a functools.partial
+    from megatron-core 0.18 on: read through compat)."""
+    sub = spec.submodules
+    return spec_submodules(sub.self_attention), spec_submodules(sub.mlp)
+
+
 def _naive_slots(spec: ModuleSpec, tp_group) -> None:
-    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    attn, mlp = _attention_and_mlp_slots(spec)
     group = {"bottleneck_tp_group": tp_group}
     # linear_qkv is called directly by SelfAttention (no build_module), so it gets a subclass
     # bound to the group rather than ModuleSpec params.
@@ -141,7 +145,7 @@ def _naive_slots(spec: ModuleSpec, tp_group) -> None:
 
 def _boost_slots(spec: ModuleSpec) -> None:
     sub = spec.submodules
-    attn, mlp = sub.self_attention.submodules, sub.mlp.submodules
+    attn, mlp = _attention_and_mlp_slots(spec)
     # Norms fused into the column layers; checkpoint keys stay those of a plain layer.
     attn.linear_qkv = BoostLinearQKV
     attn.linear_proj = BoostLinearRow

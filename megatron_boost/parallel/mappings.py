@@ -12,7 +12,9 @@ are re-exported here under their megatron names, and the layers call them by tho
 * ``gather_from_tensor_model_parallel_region`` — fwd all-gather along the last dimension
   ([s, b, d/t] -> [s, b, d], boost's final norm), bwd local slice.
 * ``linear_with_grad_accumulation_and_async_allreduce(..., allreduce_dgrad=True)`` — naive's
-  column-parallel A: fwd GEMM, bwd all-reduce of dx overlapped with the dA GEMM.
+  column-parallel A: fwd GEMM, bwd all-reduce of dx overlapped with the dA GEMM. Its keywords
+  differ between megatron-core versions, so it is called through
+  :func:`megatron_boost.compat.linear_with_dgrad_allreduce`.
 
 All of them return early for a group of one rank. BOOST's own collective is
 :func:`bottleneck_up`: the B factors on the replicated bottleneck, whose backward all-reduce of
@@ -24,7 +26,6 @@ from __future__ import annotations
 from typing import List, Sequence
 
 import torch
-from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -36,7 +37,6 @@ __all__ = [
     "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
     "gather_from_tensor_model_parallel_region",
-    "linear_with_grad_accumulation_and_async_allreduce",
     "split_project",
     "bottleneck_up",
 ]

@@ -189,8 +189,8 @@ def _install_patches() -> None:
     import megatron.core.transformer.utils as tutils
 
     _patch(tutils, "get_default_causal_mask", _cpu_causal_mask)
-    if hasattr(fused_softmax, "get_default_causal_mask"):
-        _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
+    # fused_softmax imports its own reference (megatron-core 0.16 to 0.19 alike).
+    _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
 
 
 def cuda_unusable_reason() -> Optional[str]:

@@ -58,7 +58,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, retries:
 
     The rendezvous port is picked free but released before the store binds it, so another
     process on a busy machine can take it in between (EADDRINUSE): then it starts again on a
-    new port, up to ``retries`` times."""
+    new port, up to ``retries`` times. A megatron-core outside the tested range stops first
+    (``ValueError``, one line)."""
+    from megatron_boost.compat import check_megatron_version
+
+    check_megatron_version()
     for attempt in range(retries):
         try:
             return _run_once(fn, world_size, args, timeout)

@@ -16,10 +16,12 @@ expects exists with the same global shape; the first mismatch is named with both
 :func:`check_architecture` (settings that change no shape: the bottleneck activation, the
 RoPE base, full-rank vs low-rank).
 
-Safe loading: megatron-core 0.16.1 reads ``common.pt`` and the sharded objects (RNG state)
-with ``torch.load`` without a ``weights_only`` argument, i.e. torch's default, which is
-``weights_only=True`` since torch 2.6 unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is set;
-:func:`read_common_state` refuses that override. The shards' ``.metadata`` is a pickle read by
+Safe loading: megatron-core 0.16 reads the common state (``common.pt``) and the sharded objects
+(RNG state) with ``torch.load`` without a ``weights_only`` argument, i.e. torch's default,
+which is ``weights_only=True`` since torch 2.6 unless ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` is
+set; :func:`read_common_state` refuses that override. (0.17+ keep the common state inside the
+torch_dist shards and read it with ``weights_only=True``; megatron's
+``load_common_state_dict`` reads either format.) The shards' ``.metadata`` is a pickle read by
 torch.distributed.checkpoint: a checkpoint is trusted input, and the manifest checksum only
 detects corruption, not tampering.
 """
@@ -196,22 +198,24 @@ def prune_checkpoints(save_dir: Path, keep_last: Optional[int]) -> List[Path]:
 
 
 def read_common_state(ckpt_dir: Path) -> dict:
-    """The ``boost_state`` of a checkpoint, read with ``torch.load(weights_only=True)``."""
-    import pickle
-
-    import torch
+    """The ``boost_state`` of a checkpoint: megatron's ``load_common_state_dict``, which reads
+    it with ``torch.load(weights_only=True)`` (``common.pt`` up to megatron-core 0.16, the
+    ``common_state`` object of the shards from 0.17 on)."""
+    from megatron.core import dist_checkpointing
 
     if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0") not in ("", "0"):
         raise ValueError("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: megatron would unpickle "
                          "checkpoint objects without restriction; unset it to resume")
-    path = Path(ckpt_dir) / "common.pt"
+    if not (Path(ckpt_dir) / "metadata.json").is_file():
+        raise ValueError(f"checkpoint {ckpt_dir} has no metadata.json; not a dist checkpoint")
     try:
-        common = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise ValueError(f"checkpoint {ckpt_dir} has no common.pt; not a dist checkpoint") \
-            from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-        raise ValueError(f"checkpoint file {path} cannot be read safely "
+        common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+    except FileNotFoundError as err:
+        missing = Path(err.filename).name if err.filename else str(err)
+        raise ValueError(f"checkpoint {ckpt_dir} has no common state ({missing} missing); not a "
+                         f"complete dist checkpoint") from None
+    except Exception as err:  # unpickling, a truncated file, torch.distributed.checkpoint
+        raise ValueError(f"the common state of checkpoint {ckpt_dir} cannot be read safely "
                          f"({' '.join(str(err).split())[:160]})") from None
     boost = common.get("boost_state") if isinstance(common, dict) else None
     if boost is None:

@@ -5,8 +5,10 @@ Synchronous (``checkpoint.async_save: false``): ``dist_checkpointing.save`` into
 directory, then rank 0 commits (manifest, fsync, rename, tracker) while the others wait.
 
 Asynchronous (``checkpoint.async_save: true``): ``dist_checkpointing.save(...,
-async_sharded_save=True)`` writes the common state, stages the shards and returns megatron's
-``AsyncRequest``; megatron's ``AsyncCallsQueue`` writes the shards in a background process
+async_sharded_save=True)`` with megatron's own ``mcore`` strategy (:func:`megatron_boost.compat.
+save_sharded`) writes the common state, stages the shards and returns megatron's
+``AsyncRequest``; the strategy's matching ``AsyncCallsQueue``
+(:func:`megatron_boost.compat.async_calls_queue`) writes the shards in a background process
 while training continues. :meth:`CheckpointWriter.poll` (every step, on every rank) runs the
 finalization once all ranks' writes are done: megatron's own (``metadata.json``, a barrier),
 then our commit on rank 0. So the tracker moves only after a complete checkpoint, and a kill
@@ -20,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from megatron_boost.compat import async_calls_queue, save_sharded
 from megatron_boost.train.checkpoint_guard import (
     commit_checkpoint,
     iter_dir_name,
@@ -40,9 +43,7 @@ class CheckpointWriter:
         self.async_save, self.keep_last, self.hooks = async_save, keep_last, hooks
         self.queue = None
         if async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-            self.queue = AsyncCallsQueue()
+            self.queue = async_calls_queue()
 
     def _prepare(self, iteration: int) -> Path:
         import torch.distributed as dist
@@ -69,16 +70,14 @@ class CheckpointWriter:
     def save(self, sharded_sd: dict, iteration: int) -> None:
         """Save (or start saving in the background) ``sharded_sd`` as iteration
         ``iteration``."""
-        from megatron.core import dist_checkpointing
-
         self.wait()
         temp = self._prepare(iteration)
         commit = self._commit_fn(temp, iteration)
         if not self.async_save:
-            dist_checkpointing.save(sharded_sd, str(temp))
+            save_sharded(sharded_sd, str(temp), async_save=False)
             commit()
             return
-        request = dist_checkpointing.save(sharded_sd, str(temp), async_sharded_save=True)
+        request = save_sharded(sharded_sd, str(temp), async_save=True)
         request.add_finalize_fn(commit)
         self.queue.schedule_async_request(request)
 

@@ -22,11 +22,11 @@ from typing import List, Optional
 
 import numpy as np
 import torch
-from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from megatron_boost.compat import load_sharded
 from megatron_boost.runtime.cpu_mode import is_cpu_mode
 from megatron_boost.train.checkpoint_guard import (
     TRACKER_FILE,
@@ -43,7 +43,7 @@ from megatron_boost.train.state import TrainState
 
 __all__ = ["TRACKER_FILE", "CHECKPOINT_FORMAT_VERSION", "Resumed", "checkpoint_state_dict",
            "save_checkpoint", "find_checkpoint", "verify_checkpoint", "load_checkpoint",
-           "load_weights", "check_format_version"]
+           "load_weights", "check_format_version", "load_model_state"]
 
 #: Version of the checkpoint content; a checkpoint of another version is refused on load.
 CHECKPOINT_FORMAT_VERSION = 1
@@ -186,16 +186,35 @@ def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg, weights_only: bool = 
     return saved
 
 
+#: The only keys a loaded model state may lack: Transformer Engine modules' ``_extra_state``
+#: (FP8 scaling metadata), which their ``state_dict()`` lists but megatron's sharded
+#: checkpoint does not save.
+_UNSAVED_SUFFIX = "_extra_state"
+
+
+def load_model_state(module: torch.nn.Module, state_dict: dict) -> None:
+    """``module.load_state_dict`` that accepts exactly the missing ``*._extra_state`` keys of
+    Transformer Engine modules, as megatron's own loader does, and raises ``RuntimeError``
+    on any other missing or on any unexpected key."""
+    result = module.load_state_dict(state_dict, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith(_UNSAVED_SUFFIX)]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"the checkpoint does not match the model: missing keys {missing[:5]} "
+            f"({len(missing)} in all), unexpected keys {result.unexpected_keys[:5]} "
+            f"({len(result.unexpected_keys)} in all)")
+
+
 def _set_model_weights(ddp_chunks, loaded: dict) -> None:
     for key, chunk in zip(_model_keys(len(ddp_chunks)), ddp_chunks):
-        chunk.module.load_state_dict(loaded[key], strict=True)
+        load_model_state(chunk.module, loaded[key])
 
 
 def load_weights(ckpt_dir: Path, ddp_chunks, optimizer) -> None:
     """Only the model weights of a checkpoint (verified by :func:`verify_checkpoint` with
     ``weights_only``), into any layout: ``checkpoint.init_from``. The optimizer state, the
     schedule, the iteration and the RNG stay those of a fresh start."""
-    loaded = dist_checkpointing.load(_model_sharded_state_dict(ddp_chunks), str(ckpt_dir))
+    loaded = load_sharded(_model_sharded_state_dict(ddp_chunks), str(ckpt_dir))
     _set_model_weights(ddp_chunks, loaded)
     if hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # main (fp32) params from the loaded weights
@@ -217,7 +236,7 @@ def load_checkpoint(ckpt_dir: Path, saved: dict, ddp_chunks, optimizer, schedule
     same_layout = saved.get("layout") == _layout()
     if same_layout:
         sd["rng_state"] = _rng_sharded_object(None)
-    loaded = dist_checkpointing.load(sd, str(ckpt_dir))
+    loaded = load_sharded(sd, str(ckpt_dir))
     _set_model_weights(ddp_chunks, loaded)
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_boost.compat import check_megatron_version
+
 __all__ = ["init_distributed", "init_world_of_one", "launched_by_torchrun", "shutdown", "print0",
            "broadcast_from_last_stage"]
 
@@ -19,7 +21,9 @@ __all__ = ["init_distributed", "init_world_of_one", "launched_by_torchrun", "shu
 def init_distributed(device: str, timeout: datetime.timedelta) -> None:
     """Join the process group torchrun describes (nccl on GPU, gloo on CPU); without torchrun
     (``python pretrain_lowrank.py``), a world of one. ``timeout`` bounds every collective
-    (``parallel.timeout_minutes``)."""
+    (``parallel.timeout_minutes``). A megatron-core outside the tested range stops here, before
+    any distributed work (``ValueError``, one line)."""
+    check_megatron_version()
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if dist.is_initialized():
@@ -35,7 +39,8 @@ def init_world_of_one(backend: str = "gloo",
                       timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
     """A process group of this process alone. It needs no rendezvous: an in-memory store
     instead of a TCP port, which another process could take between choosing it and binding
-    it."""
+    it. Checks megatron-core's version first, as :func:`init_distributed` does."""
+    check_megatron_version()
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timeout)
 

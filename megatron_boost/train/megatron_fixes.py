@@ -1,54 +1,46 @@
-"""Workarounds for megatron-core 0.16's distributed-optimizer reload (docs/design.md §10.5).
+"""Workarounds for megatron-core's distributed-optimizer reload (docs/design.md §10.5).
 
-Without apex/TE, reloading a ``fully_reshardable`` distributed-optimizer checkpoint has three
-defects; each is handled here without editing megatron:
+With torch's Adam/AdamW (no apex/TE), reloading a ``fully_reshardable`` distributed-optimizer
+checkpoint has three defects; each is handled here without editing megatron, and only on the
+megatron-core versions that have it (:func:`megatron_boost.compat.optimizer_reload_defects`
+says which: all three on 0.16 to 0.19):
 
-1. the optimizer state must exist, with a ``step``, before ``sharded_state_dict(is_loading=True)``
-   (:func:`_init_optimizer_state`: zero moments and a step per parameter, no dummy update);
-2. ``KeyError: 'step'`` when the loaded tensors are copied (:func:`_keep_step_on_copy`, an
-   instance-level wrapper);
-3. ONE ``step`` tensor shared by all parameters after the load, which Adam would increment once
-   per parameter (:func:`_unshare_optimizer_steps`).
+1. ``init_state``: the optimizer state must exist, with a ``step``, before
+   ``sharded_state_dict(is_loading=True)`` (:func:`_init_optimizer_state`: zero moments and a
+   step per parameter, no dummy update);
+2. ``step_on_copy``: ``KeyError: 'step'`` when the loaded tensors are copied
+   (:func:`_keep_step_on_copy`, an instance-level wrapper);
+3. ``shared_step``: ONE ``step`` tensor shared by all parameters after the load, which Adam
+   would increment once per parameter (:func:`_unshare_optimizer_steps`).
 
-They are verified on :data:`TESTED_MEGATRON` only; another megatron-core raises instead of
-patching blindly.
+``step`` is torch Adam's per-parameter counter. Transformer Engine's and apex's FusedAdam keep
+the step in the param groups, and TE's maps every state key to a dtype and fails on one it
+does not know: the workarounds touch torch's Adam/AdamW only (:func:`_torch_adams`) and leave
+any other optimizer as megatron built it.
 """
 
 from __future__ import annotations
 
-import megatron.core
 import torch
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
-__all__ = ["TESTED_MEGATRON", "prepare_optimizer_load", "finish_optimizer_load",
-           "inner_torch_optimizers"]
+from megatron_boost.compat import optimizer_reload_defects
 
-#: megatron-core versions whose optimizer reload these workarounds were verified against.
-TESTED_MEGATRON = SpecifierSet(">=0.16,<0.17")
-
-
-def _require_tested_megatron() -> None:
-    version = Version(megatron.core.__version__)
-    if version not in TESTED_MEGATRON:
-        raise RuntimeError(
-            f"megatron-core {version}: the optimizer-reload workarounds of "
-            f"megatron_boost.train.megatron_fixes are verified for {TESTED_MEGATRON} only; "
-            f"check the defects of docs/design.md §10.5 against this version and update "
-            f"TESTED_MEGATRON (or resume with checkpoint.no_load_optim=true)")
+__all__ = ["prepare_optimizer_load", "finish_optimizer_load", "inner_torch_optimizers"]
 
 
 def prepare_optimizer_load(optimizer, use_distributed_optimizer: bool) -> None:
     """Before ``optimizer.sharded_state_dict(is_loading=True)``: defects 1 and 2."""
-    _require_tested_megatron()
-    _init_optimizer_state(optimizer)
-    if use_distributed_optimizer:
+    defects = optimizer_reload_defects()
+    if "init_state" in defects:
+        _init_optimizer_state(optimizer)
+    if use_distributed_optimizer and "step_on_copy" in defects:
         _keep_step_on_copy(optimizer)
 
 
 def finish_optimizer_load(optimizer) -> None:
     """After ``optimizer.load_state_dict``: defect 3."""
-    _unshare_optimizer_steps(optimizer)
+    if "shared_step" in optimizer_reload_defects():
+        _unshare_optimizer_steps(optimizer)
 
 
 def _chain(optimizer) -> list:
@@ -61,10 +53,15 @@ def inner_torch_optimizers(optimizer) -> list:
     return [o.optimizer for o in _chain(optimizer) if getattr(o, "optimizer", None) is not None]
 
 
+def _torch_adams(optimizer) -> list:
+    """The inner optimizers that are torch's Adam or AdamW (AdamW derives from Adam)."""
+    return [o for o in inner_torch_optimizers(optimizer) if isinstance(o, torch.optim.Adam)]
+
+
 def _init_optimizer_state(optimizer) -> None:
     """Create Adam state (zero moments, step 0, one step tensor per parameter) where none
     exists, as a real step would, without changing any parameter."""
-    for opt in inner_torch_optimizers(optimizer):
+    for opt in _torch_adams(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
                 state = opt.state[p]
@@ -80,10 +77,10 @@ def _unshare_optimizer_steps(optimizer) -> None:
     """Give every parameter's Adam state its own ``step`` tensor: torch's Adam increments
     ``step`` in place per parameter, so a shared one would advance by the number of
     parameters per iteration and the bias correction (hence every update) would be wrong."""
-    for opt in inner_torch_optimizers(optimizer):
+    for opt in _torch_adams(optimizer):
         for state in opt.state.values():
             step = state.get("step")
-            if hasattr(step, "detach"):
+            if isinstance(step, torch.Tensor):
                 state["step"] = step.detach().clone()
 
 
@@ -94,8 +91,11 @@ def _keep_step_on_copy(optimizer) -> None:
     hand the current one through."""
     for opt in _chain(optimizer):
         fn = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        inner = getattr(opt, "optimizer", None)
         if fn is None or getattr(fn, "_mboost_patched", False):
             continue
+        if not isinstance(inner, torch.optim.Adam):
+            continue  # only torch's Adam keeps a per-parameter step
 
         def with_step(model_param, tensors, _fn=fn, _opt=opt):
             if "step" not in tensors:

@@ -19,9 +19,9 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from megatron_boost.compat import forward_backward_func
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.gpt import build_model, schedule_seq_length
 from megatron_boost.model.init import init_global_weights
@@ -137,7 +137,7 @@ def run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches: int
     chunk); returns the loss dicts of the micro-batches (empty off the last stage)."""
     config = ddp_chunks[0].config
     iters = data_iterators if len(ddp_chunks) > 1 else data_iterators[0]
-    return get_forward_backward_func()(
+    return forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iters, model=ddp_chunks,
         num_microbatches=num_microbatches,
         seq_length=schedule_seq_length(config, seq_length),

@@ -1,0 +1,222 @@
+"""Every difference between the megatron-core versions megatron-boost supports, in one place
+(docs/design.md §14). Nothing else in the package looks at megatron's version.
+
+Supported and tested: megatron-core :data:`SUPPORTED_MEGATRON` (0.16.1 on Python 3.11 and
+0.19.2 on Python 3.12 in CI; 0.17 and later need Python >= 3.12). What differs, and how it
+is handled here:
+
+* layer specs (0.18): ``spec.submodules.mlp`` became ``functools.partial(MLP.as_mlp_submodule,
+  submodules=...)``; :func:`spec_submodules` reads either shape (megatron's own
+  ``get_submodules``, 0.17+).
+* ``get_gpt_layer_local_spec`` (0.17 dropped ``moe_use_legacy_grouped_gemm``),
+  ``linear_with_grad_accumulation_and_async_allreduce`` (0.17 dropped ``async_grad_allreduce``,
+  0.19 added ``gtp_remat_size``), ``get_forward_backward_func`` (0.19 added
+  ``schedule_pg_collection``), ``dist_checkpointing.load`` (0.19 dropped ``common_strategy``):
+  called here with the keywords every supported version shares, and nowhere else.
+* the null tokenizer of mock data (0.17): its ``library`` is ``null-text``, no longer ``null``
+  (:func:`null_tokenizer`).
+* async checkpoint save (0.17): ``dist_checkpointing.save(..., async_sharded_save=True)``
+  defaults to the ``nvrx`` strategy (needs nvidia-resiliency-ext). :func:`save_sharded` names
+  megatron's own ``mcore`` strategy and :func:`async_calls_queue` returns its matching queue.
+* the distributed-optimizer reload defects (docs/design.md §10.5): which versions have which
+  (:func:`optimizer_reload_defects`).
+
+Differences that need no branch, because one call serves every version: the checkpoint's
+common state moved from ``common.pt`` into the torch_dist shards in 0.17 (megatron's
+``load_common_state_dict`` reads both; train/checkpoint_guard.py), and 0.19's vocab-parallel
+loss reads ``LanguageModule.tp_group`` (naive mode sets it with ``pg_collection``;
+model/gpt.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import FrozenSet, Optional, Tuple
+
+import megatron.core
+from packaging.version import Version
+
+__all__ = ["SUPPORTED_MEGATRON", "megatron_version", "megatron_supported",
+           "check_megatron_version", "spec_submodules", "local_layer_spec", "te_layer_spec",
+           "linear_with_dgrad_allreduce", "forward_backward_func", "save_sharded",
+           "load_sharded", "async_calls_queue", "ASYNC_SAVE_STRATEGY",
+           "optimizer_reload_defects", "null_tokenizer"]
+
+#: The megatron-core versions megatron-boost is tested with (pyproject.toml says the same).
+SUPPORTED_MEGATRON = ">=0.16,<0.20"
+_LOWEST, _END = (0, 16), (0, 20)
+
+#: megatron's own async-save strategy; the other one, ``nvrx`` (0.17+ default), needs
+#: nvidia-resiliency-ext and its own queue. ``mcore`` works on every supported version (0.17+
+#: log a deprecation notice once).
+ASYNC_SAVE_STRATEGY = "mcore"
+
+
+def megatron_version(version: Optional[str] = None) -> Tuple[int, int, int]:
+    """(major, minor, patch) of megatron-core (or of ``version``). A source checkout appends
+    ``+<git hash>`` to ``megatron.core.__version__``; pre-release tags are ignored too."""
+    release = Version(version or megatron.core.__version__).release
+    return tuple((list(release) + [0, 0, 0])[:3])
+
+
+def megatron_supported(version: Optional[str] = None) -> bool:
+    """Whether megatron-core (or ``version``) is inside :data:`SUPPORTED_MEGATRON`."""
+    return _LOWEST <= megatron_version(version)[:2] < _END
+
+
+def check_megatron_version(version: Optional[str] = None) -> None:
+    """Stop (``ValueError``, one line) on a megatron-core outside the tested range. Called
+    before any distributed work (train/distributed.py)."""
+    if not megatron_supported(version):
+        found = version or megatron.core.__version__
+        raise ValueError(
+            f"megatron-core {found} is outside the range megatron-boost is tested with "
+            f"({SUPPORTED_MEGATRON}); install one inside it: "
+            f"pip install 'megatron-core{SUPPORTED_MEGATRON}'")
+
+
+def _since(minor: int) -> bool:
+    return megatron_version()[:2] >= (0, minor)
+
+
+# --------------------------------------------------------------------------------------------
+# layer specs
+# --------------------------------------------------------------------------------------------
+
+
+def _get_submodules_fallback(spec):
+    """megatron 0.16 has no accessor; its specs are always ModuleSpecs. The partial shape is
+    read too, so that the same code (and its test) covers both shapes on every version."""
+    if isinstance(spec, functools.partial):
+        return spec.keywords["submodules"]
+    return spec.submodules
+
+
+def spec_submodules(spec):
+    """The ``submodules`` of a layer-spec slot: a ModuleSpec's field or, from megatron 0.18
+    on, the ``submodules=`` keyword of a ``functools.partial`` (``MLP.as_mlp_submodule``).
+    The object returned is the spec's own: changing it changes the spec."""
+    try:  # megatron 0.17+
+        from megatron.core.transformer.spec_utils import get_submodules
+    except ImportError:
+        get_submodules = _get_submodules_fallback
+    return get_submodules(spec)
+
+
+def local_layer_spec(normalization: str = "RMSNorm"):
+    """megatron's local-module GPT layer spec (keywords only: 0.17 removed a positional
+    parameter, ``moe_use_legacy_grouped_gemm``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(normalization=normalization)
+
+
+def te_layer_spec():
+    """megatron's Transformer Engine GPT layer spec (defaults on every version)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec()
+
+
+# --------------------------------------------------------------------------------------------
+# tensor-parallel linear and pipeline schedule
+# --------------------------------------------------------------------------------------------
+
+
+def linear_with_dgrad_allreduce(x, weight, tp_group, allreduce_dgrad: bool):
+    """``x · weight^T`` with the input-gradient all-reduce over ``tp_group`` overlapped with the
+    weight-gradient GEMM: megatron's ``linear_with_grad_accumulation_and_async_allreduce``,
+    with only the keywords every supported version has (0.17 dropped
+    ``async_grad_allreduce``; 0.19 added ``gtp_remat_size``, default 1)."""
+    from megatron.core.tensor_parallel.layers import (
+        linear_with_grad_accumulation_and_async_allreduce,
+    )
+
+    return linear_with_grad_accumulation_and_async_allreduce(
+        x, weight, None, gradient_accumulation_fusion=False, allreduce_dgrad=allreduce_dgrad,
+        sequence_parallel=False, tp_group=tp_group)
+
+
+def forward_backward_func():
+    """megatron's pipeline schedule for the current parallel_state (no arguments: 0.19 added
+    ``schedule_pg_collection``, for multi-module pipelines)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def null_tokenizer(vocab_size: int):
+    """megatron's null tokenizer (ids only; its last id, ``vocab_size``, is EOD). 0.17 renamed
+    its library from ``null`` to ``null-text``."""
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    library = "null-text" if _since(17) else "null"
+    return MegatronTokenizer.from_pretrained(
+        metadata_path={"library": library, "model_type": "gpt"}, vocab_size=vocab_size)
+
+
+# --------------------------------------------------------------------------------------------
+# dist_checkpointing
+# --------------------------------------------------------------------------------------------
+
+
+def save_sharded(sharded_sd: dict, directory: str, async_save: bool):
+    """``dist_checkpointing.save``; with ``async_save`` the shards are staged and megatron's
+    ``AsyncRequest`` is returned, to be scheduled on :func:`async_calls_queue`. 0.17+ take an
+    ``async_strategy`` whose default, ``nvrx``, needs nvidia-resiliency-ext: name megatron's
+    own, which matches the queue."""
+    from megatron.core import dist_checkpointing
+
+    if not async_save:
+        return dist_checkpointing.save(sharded_sd, directory)
+    strategy = {"async_strategy": ASYNC_SAVE_STRATEGY} if _since(17) else {}
+    return dist_checkpointing.save(sharded_sd, directory, async_sharded_save=True, **strategy)
+
+
+def async_calls_queue():
+    """The queue that runs and finalizes :func:`save_sharded`'s requests: megatron's
+    ``AsyncCallsQueue``, the one of the ``mcore`` strategy (the ``nvrx`` strategy has its own
+    in nvidia_resiliency_ext)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue()
+
+
+def load_sharded(sharded_sd: dict, directory: str) -> dict:
+    """``dist_checkpointing.load`` with default strategies (0.19 dropped ``common_strategy``
+    and added ``verify_integrity`` / ``process_group``: none is passed)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(sharded_sd, directory)
+
+
+# --------------------------------------------------------------------------------------------
+# distributed-optimizer reload (docs/design.md §10.5)
+# --------------------------------------------------------------------------------------------
+
+#: The reload defects of megatron's DistributedOptimizer (``fully_reshardable``, torch Adam)
+#: and the megatron-core versions [first, end) that have them. Verified by resuming bit-exactly
+#: (tests/test_training.py::test_resume_reproduces_uninterrupted_run_exactly) with each
+#: workaround removed in turn, on 0.16.1 and 0.19.2 (and 0.18.2): every removal fails.
+#:   init_state:   without optimizer state (and its ``step``) before
+#:                 ``sharded_state_dict(is_loading=True)``, megatron's load fails
+#:                 (``assert len(steps) == 1`` on 0.19.2)
+#:   step_on_copy: ``KeyError: 'step'`` when the loaded tensors are copied into the state
+#:   shared_step:  one ``step`` tensor shared by every parameter after the load: the losses
+#:                 after the resume differ from the uninterrupted run's
+_DEFECTS = {
+    "init_state": ((0, 16), (0, 20)),
+    "step_on_copy": ((0, 16), (0, 20)),
+    "shared_step": ((0, 16), (0, 20)),
+}
+
+
+def optimizer_reload_defects(version: Optional[str] = None) -> FrozenSet[str]:
+    """The reload defects (see ``_DEFECTS``) megatron-core (or ``version``) has."""
+    release = megatron_version(version)[:2]
+    return frozenset(name for name, (first, end) in _DEFECTS.items() if first <= release < end)
