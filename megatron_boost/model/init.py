@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Iterable
+from typing import Callable, Iterable, List
 
 import torch
 
-__all__ = ["cola_std", "cola_init_", "sharded_params", "init_global_weights"]
+__all__ = ["cola_std", "cola_init_", "sharded_params", "init_global_weights",
+           "build_globally_initialised"]
 
 
 def cola_std(rank: int, d_in: int, d_out: int) -> float:
@@ -99,7 +100,9 @@ def init_global_weights(chunks: Iterable[torch.nn.Module], seed: int, config) ->
     """Initialise every parameter from ``seed`` and its global checkpoint key, so the global
     (unsharded) weights are identical for every mode that shares the key and every TP/PP
     layout. Each global tensor is drawn from its own generator and sliced."""
+    chunks = list(chunks)
     entries = [e for chunk in chunks for e in sharded_params(chunk)]
+    _check_every_parameter_covered(chunks, [param for *_, param in entries])
     shapes = {key: shape for key, shape, _, _ in entries}
     with torch.no_grad():
         for key, shape, slicer, param in entries:
@@ -111,3 +114,30 @@ def init_global_weights(chunks: Iterable[torch.nn.Module], seed: int, config) ->
                                    f"{tuple(shape)} does not match the parameter "
                                    f"{tuple(param.shape)}")
             param.copy_(local.to(param.dtype))
+
+
+def _check_every_parameter_covered(chunks, written) -> None:
+    """Every parameter must be written by the global init: a model built without megatron's
+    own init (:func:`build_globally_initialised`) would otherwise keep uninitialised memory."""
+    ids = {id(p) for p in written}
+    missing = [name for chunk in chunks for name, p in chunk.named_parameters()
+               if id(p) not in ids]
+    if missing:
+        raise RuntimeError(f"init_global_weights: no global checkpoint key for parameter(s) "
+                           f"{missing}; every parameter needs one in sharded_state_dict")
+
+
+def build_globally_initialised(build: Callable[[], List[torch.nn.Module]], config,
+                               seed: int) -> List[torch.nn.Module]:
+    """``build()``'s model chunks with every weight drawn once: megatron's per-layer init
+    (``perform_initialization``, and this project's layers and embedding, which follow it) is
+    off while they are built, and :func:`init_global_weights` then writes every parameter
+    (it checks that none is left out)."""
+    saved = config.perform_initialization
+    config.perform_initialization = False
+    try:
+        chunks = build()
+    finally:
+        config.perform_initialization = saved
+    init_global_weights(chunks, seed, config)
+    return chunks

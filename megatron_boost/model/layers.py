@@ -118,14 +118,8 @@ class BottleneckGroup(MegatronModule):
                 ("A", (p.rank, input_size), self._a_axis, config.init_method),
                 ("B", (p.out_size, p.rank), self._b_axis, config.output_layer_init_method),
             ):
-                master = torch.empty(rows, cols, dtype=torch.float32)
-                if config.cola_init:
-                    cola_init_(master, p.rank, input_size, p.out_size)
-                else:
-                    init(master)
-                local = master.chunk(self.tp_size, dim=axis)[self.tp_rank]
-                param = torch.nn.Parameter(local.to(device=device, dtype=config.params_dtype)
-                                           .contiguous())
+                local = self._initial_shard(rows, cols, axis, init, p, device)
+                param = torch.nn.Parameter(local)
                 set_tensor_model_parallel_attributes(param, is_parallel=True, dim=axis,
                                                      stride=1)
                 self.register_parameter(f"{factor}_{p.name}", param)
@@ -137,6 +131,24 @@ class BottleneckGroup(MegatronModule):
             set_tensor_model_parallel_attributes(self.layer_norm_weight, True, 0, 1)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _initial_shard(self, rows: int, cols: int, axis: int, init, p: Projection,
+                       device) -> torch.Tensor:
+        """This rank's shard of a factor with global shape [rows, cols]: drawn as the global
+        master and sliced, or left uninitialised without megatron's ``perform_initialization``
+        (the layout-independent init then writes it, docs/design.md §8)."""
+        dtype = self.config.params_dtype
+        if not self.config.perform_initialization:
+            shape = [rows, cols]
+            shape[axis] //= self.tp_size
+            return torch.empty(shape, device=device, dtype=dtype)
+        master = torch.empty(rows, cols, dtype=torch.float32)
+        if self.config.cola_init:
+            cola_init_(master, p.rank, self.input_size, p.out_size)
+        else:
+            init(master)
+        local = master.chunk(self.tp_size, dim=axis)[self.tp_rank]
+        return local.to(device=device, dtype=dtype).contiguous()
 
     def _check_divisible(self):
         # boost shards d_in (A) and d_out (B); naive shards the rank (A rows, B columns).

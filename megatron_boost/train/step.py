@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.gpt import build_model, schedule_seq_length
-from megatron_boost.model.init import init_global_weights
+from megatron_boost.model.init import build_globally_initialised
 from megatron_boost.train.megatron_fixes import inner_torch_optimizers
 from megatron_boost.train.resilience import StepAgreement, agree_on_step
 
@@ -51,9 +51,11 @@ def build_ddp_model(config: BoostTransformerConfig, vocab_size: int, seq_length:
                     use_distributed_optimizer: bool = False,
                     rotary_base: int = 10000) -> List[DistributedDataParallel]:
     """Build this rank's model chunks, initialise them layout-independently from ``seed``
-    and wrap each in megatron's DDP (fp32 gradient buffers)."""
-    chunks = build_model(config, vocab_size, seq_length, rotary_base=rotary_base)
-    init_global_weights(chunks, seed, config)
+    (each weight drawn once, docs/design.md §8) and wrap each in megatron's DDP (fp32
+    gradient buffers)."""
+    chunks = build_globally_initialised(
+        lambda: build_model(config, vocab_size, seq_length, rotary_base=rotary_base), config,
+        seed)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     if config.bf16:
