@@ -47,8 +47,9 @@ def tp_comm_widths(shape: ModelShape, mode: str,
     * boost: one all-reduce of the group's bottleneck forward (qkv: 3r_a + 1 with the fused
       online-RMSNorm sum of squares, docs/design.md §3; o: r_a, gate+up: 2r_m + 1, down: r_m)
       and of its gradient backward (the same without the +1). With bf16 activations the
-      fp32 sum of squares is all-reduced on its own (one fp32 value per token), so qkv and
-      gate+up issue two forward all-reduces each: 3r_a and 1, 2r_m and 1.
+      fp32 sum of squares is all-reduced on its own (one fp32 value per token), started
+      before the A GEMM, so qkv and gate+up issue two forward all-reduces each: 1 then 3r_a,
+      1 then 2r_m.
     """
     d, f = shape.hidden, shape.ffn
     mode = check_mode(mode)
@@ -60,7 +61,7 @@ def tp_comm_widths(shape: ModelShape, mode: str,
     ra, rm = shape.r_attn, shape.r_mlp
     bwd = [3 * ra, ra, 2 * rm, rm]
     if fp32_statistic_columns(mode, dtype):
-        return [3 * ra, 1, ra, 2 * rm, 1, rm], bwd
+        return [1, 3 * ra, ra, 1, 2 * rm, rm], bwd
     return [3 * ra + 1, ra, 2 * rm + 1, rm], bwd
 
 

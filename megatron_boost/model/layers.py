@@ -11,7 +11,9 @@ boost (BOOST's bottleneck-aware TP, docs/design.md §2):
     A_<p>: [r_p, d_in/t]  sharded along d_in (dim 1; the input is hidden/head/ffn-sharded)
     B_<p>: [d_out_p/t, r_p] sharded along d_out (dim 0; the output is head/ffn/hidden-sharded)
     layer_norm_weight: [d_in/t] (fused online-RMSNorm, column layers only)
-    One all-reduce of width Σr (+1 with the norm) forward, one of width Σr backward.
+    One all-reduce of width Σr (+1 with the norm in fp32) forward, one of width Σr backward;
+    with bf16 products the norm's fp32 statistic has an all-reduce of its own, started before
+    the A GEMM (``model/online_rmsnorm.py``).
 
 naive ("vanilla TP", Megatron's MLP pattern applied to each (A, B) pair):
     A_<p>: [r_p/t, d_in]  sharded along r (dim 0; column-parallel, replicated input)
@@ -38,6 +40,13 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode, get_bottleneck_activation
 from megatron_boost.model.init import cola_init_
+from megatron_boost.model.online_rmsnorm import (
+    inverse_rms,
+    partial_sum_of_squares,
+    replay_sum_of_squares,
+    start_sum_of_squares,
+    statistic_rides_with_products,
+)
 from megatron_boost.parallel.mappings import (
     bottleneck_up,
     copy_to_tensor_model_parallel_region,
@@ -45,11 +54,7 @@ from megatron_boost.parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     split_project,
 )
-from megatron_boost.parallel.recompute import (
-    ForwardReductions,
-    statistic_rides_with_products,
-    sum_of_squares,
-)
+from megatron_boost.parallel.recompute import ForwardReductions, replay_product
 
 __all__ = [
     "Projection",
@@ -237,7 +242,8 @@ class BoostBottleneckGroup(BottleneckGroup):
     With ``fuse_norm`` the layer computes B·σ(A·RMSNorm(x)) exactly, although no rank holds the
     whole of x: RMSNorm only rescales each token, so A·(γ⊙x/rms) = (A·(γ⊙x))/rms. Each rank
     adds its partial sum of squares Σ x_k² as one extra column of the SAME all-reduce
-    (online-RMSNorm, BOOST section 4), and 1/rms is applied after it.
+    (online-RMSNorm, BOOST section 4; in bf16 its fp32 all-reduce of its own runs during the
+    A GEMM), and 1/rms is applied after it.
     """
 
     mode = TPMode.BOOST
@@ -250,7 +256,7 @@ class BoostBottleneckGroup(BottleneckGroup):
         # complete on every rank
         total, sumsq = self._reduced_products(x)
         if self.fuse_norm:
-            inv_rms = torch.rsqrt(sumsq / self.input_size + self.eps)  # fp32 [s, b, 1]
+            inv_rms = inverse_rms(sumsq, self.input_size, self.eps)  # fp32 [s, b, 1]
             total = (total.float() * inv_rms).to(total.dtype)
         # B factors on the replicated bottleneck; bwd: AR(Σr) of dz, overlapped with dB.
         outs = bottleneck_up(self.activation(total), self.factors("B"), ranks, self.tp_group,
@@ -259,26 +265,47 @@ class BoostBottleneckGroup(BottleneckGroup):
 
     def _reduced_products(self, x: torch.Tensor):
         """ONE GEMM for the group's A factors on the (γ-scaled) shard and ONE all-reduce of the
-        partial products with, when the norm is fused, the partial sum of squares of x as one
-        extra column: fwd AR(Σr + 1); bwd identity (then the GEMMs' backward). The statistic
-        is fp32 from x to 1/rms: with bf16 products it is all-reduced in fp32 on its own
-        (:func:`statistic_rides_with_products`). Returns (products, statistic or None).
+        partial products; fwd AR(Σr), bwd identity (then the GEMMs' backward). With the fused
+        norm, online-RMSNorm's fp32 statistic (``model/online_rmsnorm.py``) rides as one extra
+        column of that all-reduce (Σr + 1) with fp32 products; with bf16 products its own fp32
+        all-reduce is started before the GEMM and waited for after the products' one.
+        Returns (products, statistic or None).
 
         In the recompute of low-rank activation checkpointing the recorded sums are returned
         without communicating and without recomputing the product (docs/design.md §7)."""
         xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
-        sumsq_of = x if self.fuse_norm else None
-        replay = self.forward_reductions
-        if replay is not None and replay.replaying and self.tp_size > 1:
-            return replay.replay_product(xin, self._fused_a(), sumsq_of)
-        partial = torch.matmul(xin, self._fused_a().t())  # [s, b, Σr]
-        if sumsq_of is None:
-            return self._all_reduce_forward(partial), None
-        sumsq = sum_of_squares(sumsq_of)  # fp32 [s, b, 1], partial over the ranks
-        if not statistic_rides_with_products(partial.dtype):
-            return self._all_reduce_forward(partial), self._all_reduce_forward(sumsq)
-        fused = self._all_reduce_forward(torch.cat([partial, sumsq], dim=-1))  # [s, b, Σr + 1]
-        return fused.split([partial.shape[-1], 1], dim=-1)  # [s, b, Σr], [s, b, 1]
+        reductions = self.forward_reductions
+        if reductions is not None and reductions.replaying and self.tp_size > 1:
+            return self._replayed_products(xin, x, reductions)
+        if not self.fuse_norm:
+            return self._all_reduce_forward(torch.matmul(xin, self._fused_a().t())), None
+        if statistic_rides_with_products(xin.dtype):
+            partial = torch.matmul(xin, self._fused_a().t())  # [s, b, Σr]
+            sumsq = partial_sum_of_squares(x)  # fp32 [s, b, 1], partial over the ranks
+            fused = self._all_reduce_forward(torch.cat([partial, sumsq], dim=-1))  # [s,b,Σr+1]
+            return fused.split([partial.shape[-1], 1], dim=-1)  # [s, b, Σr], [s, b, 1]
+        pending = start_sum_of_squares(x, self.tp_group, self.tp_size)  # in flight
+        products = self._all_reduce_forward(torch.matmul(xin, self._fused_a().t()))
+        sumsq = pending.wait()  # fp32 [s, b, 1], complete
+        if reductions is not None and self.tp_size > 1:
+            reductions.record(sumsq)
+        return products, sumsq
+
+    def _replayed_products(self, xin: torch.Tensor, x: torch.Tensor,
+                           reductions: ForwardReductions):
+        """:meth:`_reduced_products` from the results recorded in the checkpointed forward,
+        in the order recorded there: one [Σr (+1)] result, or with bf16 products the
+        products then the statistic."""
+        a = self._fused_a()
+        first = reductions.next_recorded()
+        if not self.fuse_norm:
+            return replay_product(xin, a, first), None
+        if statistic_rides_with_products(xin.dtype):
+            n = a.shape[0]
+            products, stat = first[..., :n], first[..., n:]  # [s, b, Σr], [s, b, 1]
+        else:
+            products, stat = first, reductions.next_recorded()
+        return replay_product(xin, a, products), replay_sum_of_squares(x, stat)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
