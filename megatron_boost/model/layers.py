@@ -35,8 +35,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.core.utils import get_pg_rank, get_pg_size, make_tp_sharded_tensor_for_checkpoint
 
 from megatron_boost.config.transformer import BoostTransformerConfig, TPMode, get_bottleneck_activation
 from megatron_boost.model.init import cola_init_
@@ -118,16 +119,26 @@ class BottleneckGroup(MegatronModule):
         self._check_divisible()
         device = (torch.device("cpu") if config.use_cpu_initialization
                   or not torch.cuda.is_available() else torch.cuda.current_device())
-        for p in self.projections:
-            for factor, (rows, cols), axis, init in (
-                ("A", (p.rank, input_size), self._a_axis, config.init_method),
-                ("B", (p.out_size, p.rank), self._b_axis, config.output_layer_init_method),
-            ):
-                local = self._initial_shard(rows, cols, axis, init, p, device)
-                param = torch.nn.Parameter(local)
-                set_tensor_model_parallel_attributes(param, is_parallel=True, dim=axis,
-                                                     stride=1)
-                self.register_parameter(f"{factor}_{p.name}", param)
+        # Local rows of each projection's A factor in the grouped A (boost shards d_in, so
+        # its rows are whole; naive shards the rank).
+        self._a_rows = [p.rank if self._a_axis == 1 else p.rank // self.tp_size
+                        for p in self.projections]
+        a_shards = []
+        for p in self.projections:  # drawn in the order A_p, B_p (same seed, same weights)
+            a_shards.append(self._initial_shard(p.rank, input_size, self._a_axis,
+                                                config.init_method, p, device))
+            b = torch.nn.Parameter(self._initial_shard(
+                p.out_size, p.rank, self._b_axis, config.output_layer_init_method, p, device))
+            set_tensor_model_parallel_attributes(b, is_parallel=True, dim=self._b_axis,
+                                                 stride=1)
+            self.register_parameter(f"B_{p.name}", b)
+        # The group's A factors stored as ONE parameter [Σ local r, local d_in], so the group's
+        # GEMM reads it as it is, with no concatenation per forward (docs/design.md §4).
+        # Checkpoints still hold A_<p> (sharded_state_dict); factors("A") are row views.
+        self.A = torch.nn.Parameter(torch.cat(a_shards, dim=0) if len(a_shards) > 1
+                                    else a_shards[0])
+        set_tensor_model_parallel_attributes(self.A, is_parallel=True, dim=self._a_axis,
+                                             stride=1)
         if fuse_norm:
             # γ of the fused RMSNorm, sharded like the hidden stream it scales.
             gamma = torch.ones(input_size // self.tp_size, device=device,
@@ -167,13 +178,31 @@ class BottleneckGroup(MegatronModule):
                     f"{type(self).__name__}: {what} ({size}) must be divisible by "
                     f"tensor_model_parallel_size ({self.tp_size}) in {self.mode.value} mode")
 
-    def factors(self, which: str) -> List[torch.nn.Parameter]:
+    def factors(self, which: str) -> List[torch.Tensor]:
+        """The local factors of the projections, in order: B_<p> parameters, or for "A" the
+        row views of the grouped A ([local r_p, local d_in] each)."""
+        if which == "A":
+            return list(self.A.split(self._a_rows, dim=0))
         return [getattr(self, f"{which}_{p.name}") for p in self.projections]
 
-    def _fused_a(self) -> torch.Tensor:
-        """The group's A factors as one matrix, so the group runs one GEMM."""
-        a = self.factors("A")
-        return a[0] if len(a) == 1 else torch.cat(a, dim=0)  # [Σ local r, local d_in]
+    def local(self, name: str, grad: bool = False) -> Optional[torch.Tensor]:
+        """This rank's tensor of a global parameter name (A_<p>, B_<p>, layer_norm_weight),
+        or its gradient: A_<p> is its rows of the grouped A."""
+        if not name.startswith("A_"):
+            param = getattr(self, name)
+            return param.grad if grad else param
+        source = self.A.grad if grad else self.A
+        if source is None:
+            return None
+        i = [f"A_{p.name}" for p in self.projections].index(name)
+        return source.split(self._a_rows, dim=0)[i]
+
+    def axis_of(self, name: str) -> int:
+        """The axis along which a global parameter (A_<p>, B_<p>, layer_norm_weight) is
+        sharded over the TP group."""
+        if name.startswith("A_"):
+            return self._a_axis
+        return self._b_axis if name.startswith("B_") else 0  # γ: sharded like the hidden
 
     def combine(self, outs: List[torch.Tensor]) -> torch.Tensor:
         """Lay out the per-projection outputs as the consumer expects (default: concat)."""
@@ -198,18 +227,48 @@ class BottleneckGroup(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Global tensors named A_<p>, B_<p> (and layer_norm_weight), with global shapes that do
-        not depend on the mode or the TP size; only the sharding axis differs."""
+        not depend on the mode or the TP size; only the sharding axis differs. The grouped A
+        is saved as its A_<p> pieces through a ShardedTensorFactory, as megatron saves its
+        fused gated fc1 (split when saving, concatenated when loading)."""
         state = self.state_dict(prefix="", keep_vars=True)
-        axis_map = {f"A_{p.name}": self._a_axis for p in self.projections}
-        axis_map.update({f"B_{p.name}": self._b_axis for p in self.projections})
+        grouped_a = state.pop("A")
+        axis_map = {f"B_{p.name}": self._b_axis for p in self.projections}
         if self.fuse_norm:
             axis_map["layer_norm_weight"] = 0
         dp_cp_group = (metadata or {}).get("dp_cp_group")
         if dp_cp_group is None:
             dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        return make_sharded_tensors_for_checkpoint(
+        sd = make_sharded_tensors_for_checkpoint(
             state, prefix, axis_map, sharded_offsets, tp_group=self.tp_group,
             dp_cp_group=dp_cp_group)
+        sd[f"{prefix}A"] = self._grouped_a_factory(f"{prefix}A", grouped_a, sharded_offsets,
+                                                   dp_cp_group)
+        return sd
+
+    def _grouped_a_factory(self, key: str, grouped_a: torch.Tensor, sharded_offsets,
+                           dp_cp_group) -> ShardedTensorFactory:
+        """The grouped A [Σ local r, local d_in] as the ShardedTensors ``<key>_<p>`` (A_q,
+        A_k, ...; the optimizer's state prefixes ``key``), each sharded along the A axis."""
+        names, rows, axis = [p.name for p in self.projections], self._a_rows, self._a_axis
+
+        def sharded(key_p, tensor, replica_id=None):
+            return make_tp_sharded_tensor_for_checkpoint(
+                tensor, key_p, axis, replica_id=replica_id, prepend_offsets=sharded_offsets,
+                tp_group=self.tp_group, dp_cp_group=dp_cp_group)
+
+        @torch.no_grad()
+        def build(key, t, replica_id, flattened_range):
+            if flattened_range is not None:
+                raise NotImplementedError("flattened ranges of the grouped A factors")
+            return [sharded(f"{key}_{name}", piece, replica_id)
+                    for name, piece in zip(names, t.split(rows, dim=0))]
+
+        def merge(pieces):
+            with torch.no_grad():
+                return torch.cat(pieces, dim=0)  # [Σ local r, local d_in]
+
+        return ShardedTensorFactory(key, grouped_a, build, merge,
+                                    replica_id=sharded(key, grouped_a).replica_id)
 
     def global_shapes(self) -> Dict[str, tuple]:
         """Global (unsharded) shape of every parameter, by name."""
@@ -223,14 +282,13 @@ class BottleneckGroup(MegatronModule):
 
     def shard_of(self, name: str, global_tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a global parameter (for loading and for tests)."""
-        param = getattr(self, name)
-        return global_tensor.chunk(self.tp_size, dim=param.partition_dim)[self.tp_rank]
+        return global_tensor.chunk(self.tp_size, dim=self.axis_of(name))[self.tp_rank]
 
     def load_global_weights(self, weights: Dict[str, torch.Tensor]) -> None:
         """Copy this rank's slices of the given global tensors into the parameters."""
         with torch.no_grad():
             for name, tensor in weights.items():
-                getattr(self, name).copy_(self.shard_of(name, tensor))
+                self.local(name).copy_(self.shard_of(name, tensor))
 
 
 class BoostBottleneckGroup(BottleneckGroup):
@@ -278,14 +336,14 @@ class BoostBottleneckGroup(BottleneckGroup):
         if reductions is not None and reductions.replaying and self.tp_size > 1:
             return self._replayed_products(xin, x, reductions)
         if not self.fuse_norm:
-            return self._all_reduce_forward(torch.matmul(xin, self._fused_a().t())), None
+            return self._all_reduce_forward(torch.matmul(xin, self.A.t())), None
         if statistic_rides_with_products(xin.dtype):
-            partial = torch.matmul(xin, self._fused_a().t())  # [s, b, Σr]
+            partial = torch.matmul(xin, self.A.t())  # [s, b, Σr]
             sumsq = partial_sum_of_squares(x)  # fp32 [s, b, 1], partial over the ranks
             fused = self._all_reduce_forward(torch.cat([partial, sumsq], dim=-1))  # [s,b,Σr+1]
             return fused.split([partial.shape[-1], 1], dim=-1)  # [s, b, Σr], [s, b, 1]
         pending = start_sum_of_squares(x, self.tp_group, self.tp_size)  # in flight
-        products = self._all_reduce_forward(torch.matmul(xin, self._fused_a().t()))
+        products = self._all_reduce_forward(torch.matmul(xin, self.A.t()))
         sumsq = pending.wait()  # fp32 [s, b, 1], complete
         if reductions is not None and self.tp_size > 1:
             reductions.record(sumsq)
@@ -296,7 +354,7 @@ class BoostBottleneckGroup(BottleneckGroup):
         """:meth:`_reduced_products` from the results recorded in the checkpointed forward,
         in the order recorded there: one [Σr (+1)] result, or with bf16 products the
         products then the statistic."""
-        a = self._fused_a()
+        a = self.A
         first = reductions.next_recorded()
         if not self.fuse_norm:
             return replay_product(xin, a, first), None
@@ -330,7 +388,7 @@ class NaiveBottleneckGroup(BottleneckGroup):
         """x · A_local^T on the replicated input: megatron's column-parallel linear. bwd:
         AR(d_in) of dx, overlapped with the dA GEMM when ``overlap_bottleneck_grad_reduce``,
         else issued first as in the plain autograd graph."""
-        a = self._fused_a()  # [Σr/t, d_in]
+        a = self.A  # [Σr/t, d_in]
         if not self.config.overlap_bottleneck_grad_reduce:
             return torch.matmul(copy_to_tensor_model_parallel_region(x, group=self.tp_group),
                                 a.t())
