@@ -5,7 +5,9 @@ For each mode at TP=2 (two gloo ranks), the model built the way the trainer buil
 (``build_globally_initialised``: megatron's ``perform_initialization`` off, then
 ``init_global_weights``) must equal, bitwise, the model built with megatron's init on and then
 overwritten by ``init_global_weights``. A parameter the global init missed would keep
-uninitialised memory on one side and megatron's draw on the other. A parameter without a
+uninitialised memory on one side and megatron's draw on the other. megatron sets the TP
+attributes of its layers' weights only in its init functions; they must be the same on both
+sides too (else the gradient norm counts those weights on one TP rank). A parameter without a
 global checkpoint key is refused by name.
 """
 
@@ -48,6 +50,12 @@ def _models(mode):
     return reference, once
 
 
+def _tp_attributes(param):
+    """megatron's TP attributes: the gradient norm counts a parameter without
+    ``tensor_model_parallel`` on TP rank 0 only."""
+    return tuple(getattr(param, a, None) for a in ("tensor_model_parallel", "partition_dim"))
+
+
 def _worker(rank, world):
     from megatron_boost.model.init import init_global_weights
     from megatron_boost.train.step import initialize_parallel
@@ -59,7 +67,9 @@ def _worker(rank, world):
         ref = dict(reference[0].named_parameters())
         got = dict(once[0].named_parameters())
         assert ref.keys() == got.keys()
-        out[mode] = {"n": len(ref), "differ": [k for k in ref if not torch.equal(ref[k], got[k])]}
+        out[mode] = {"n": len(ref), "differ": [k for k in ref if not torch.equal(ref[k], got[k])],
+                     "attributes_differ": [k for k in ref if _tp_attributes(ref[k])
+                                           != _tp_attributes(got[k])]}
     # a parameter with no global checkpoint key cannot be initialised: refused by name
     once[0].unkeyed = _Unkeyed()
     try:
@@ -79,6 +89,7 @@ def results():
 def test_weights_drawn_once_equal_megatron_init_then_global_init(results, mode):
     for r in results:
         assert r[mode]["n"] > 0 and r[mode]["differ"] == [], r[mode]
+        assert r[mode]["attributes_differ"] == [], r[mode]
 
 
 def test_parameter_without_global_key_is_refused(results):

@@ -165,13 +165,35 @@ def build_globally_initialised(build: Callable[[], List[torch.nn.Module]], confi
                                seed: int) -> List[torch.nn.Module]:
     """``build()``'s model chunks with every weight drawn once: megatron's per-layer init
     (``perform_initialization``, and this project's layers and embedding, which follow it) is
-    off while they are built, and :func:`init_global_weights` then writes every parameter
-    (it checks that none is left out)."""
+    off while they are built, the TP attributes megatron sets only in its init are set from
+    the checkpoint metadata, and :func:`init_global_weights` then writes every parameter (it
+    checks that none is left out)."""
     saved = config.perform_initialization
     config.perform_initialization = False
     try:
         chunks = build()
     finally:
         config.perform_initialization = saved
+    for chunk in chunks:
+        _set_missing_tp_attributes(chunk)
     init_global_weights(chunks, seed, config)
     return chunks
+
+
+def _set_missing_tp_attributes(model: torch.nn.Module) -> None:
+    """megatron sets the TP attributes of its parallel layers' weights (``tensor_model_parallel``,
+    ``partition_dim``, ``stride``) inside its init functions, so without
+    ``perform_initialization`` they are missing, and the gradient norm would count those
+    weights on TP rank 0 only (docs/design.md §10.8). They are set here from the checkpoint
+    metadata instead: a parameter whose local shape differs from its global one along one
+    axis is sharded along that axis."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for _, shape, _, param in sharded_params(model):
+        if not isinstance(param, torch.nn.Parameter) or hasattr(param,
+                                                                "tensor_model_parallel"):
+            continue
+        axes = [i for i, (n_local, n_global) in enumerate(zip(param.shape, shape))
+                if n_local != n_global]
+        if len(axes) == 1:
+            set_tensor_model_parallel_attributes(param, True, axes[0], 1)
