@@ -339,8 +339,11 @@ class Trainer:
     def _step_comm_bytes(self) -> int:
         """Bytes this rank hands to TP collectives per training step, from the formula
         (``analysis/comm.py``, docs/design.md §5)."""
-        chunks = [c.module for c in self.model]
-        has = lambda attr: any(get_attr_wrapped_model(c, attr) for c in chunks)  # noqa: E731
+        chunks = [c.module for c in self.model]  # each a model, or its Float16Module
+
+        def has(stage_end: str) -> bool:  # "pre_process" or "post_process"
+            return any(get_attr_wrapped_model(c, stage_end) for c in chunks)
+
         layers = sum(len(get_attr_wrapped_model(c, "decoder").layers) for c in chunks)
         dtype = "bf16" if self._precision() == "bf16" else "fp32"
         comm = step_comm_bytes(
@@ -359,9 +362,10 @@ class Trainer:
 
     def _logs_at(self, it: int) -> bool:
         """Whether iteration ``it`` writes a training log record (log or evaluation)."""
-        return self._log_and_eval_at(it) != (False, False)
+        return any(self._log_and_eval_at(it))
 
     def _log_and_eval_at(self, it: int):
+        """(log, evaluate) at iteration ``it``."""
         last = it == self.train_iters
         eval_interval = self.cfg.training.eval_interval
         do_log = it % self.cfg.logging.log_interval == 0 or last
