@@ -43,7 +43,7 @@ class LogWindow:
 
     def add(self, loss: Optional[float], seconds: float, tokens: int,
             skipped: bool = False) -> None:
-        """One step; ``loss`` is None off the last pipeline stage. A skipped (non-finite) step
+        """One step; ``loss`` may be None (no rank reported one). A skipped (non-finite) step
         is counted, its loss is left out of the mean."""
         self.seconds += seconds
         self.tokens += tokens
