@@ -78,3 +78,71 @@ def test_host_syncs_per_step_do_not_grow_with_parameters_or_micro_batches():
     counts = run_distributed(_worker, 1)[0]
     assert counts["small"] == counts["large"], counts
     assert sum(counts["large"].values()) <= MAX_SYNCS_PER_STEP, counts
+
+
+# ---- the trainer's whole iteration ---------------------------------------------------------
+
+#: An ordinary iteration reads the host three times: once for the step's one agreement
+#: all-reduce (finite flag, pre-emption flag and loss, megatron_boost/train/resilience.py), and
+#: twice inside megatron's gradient norm without apex (its local L2-norm fallback's float(),
+#: then the norm's .item()).
+MAX_TRAINER_SYNCS_PER_STEP = 3
+
+
+def trainer_for(run_dir, overrides, world_size=1):
+    """A Trainer on configs/debug.yaml in this process (the process group must exist)."""
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.train.trainer import Trainer
+
+    cfg = load_run_config("configs/debug.yaml",
+                          [f"logging.run_dir={run_dir}", "logging.tensorboard=false",
+                           "training.eval_iters=0", "training.train_iters=20", *overrides],
+                          world_size)
+    return Trainer(cfg, "cpu")
+
+
+def close_trainer(trainer) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    trainer.metrics.close()
+    trainer.writer.close()
+    destroy_num_microbatches_calculator()
+    parallel_state.destroy_model_parallel()
+
+
+def _trainer_syncs(run_dir, num_layers, num_microbatches):
+    """Host syncs of one ordinary iteration (train step, log decision, skip budget, checkpoint
+    and exit decision) and of one log iteration, after a warm-up iteration."""
+    trainer = trainer_for(run_dir, [f"model.num_layers={num_layers}",
+                                    "training.micro_batch_size=2",
+                                    f"training.global_batch_size={2 * num_microbatches}",
+                                    "logging.log_interval=3"])
+    # CPU mode makes torch.cuda.synchronize a no-op; as "cuda" the trainer calls it where it
+    # would on a GPU, so the counter sees those calls.
+    trainer.device = "cuda"
+    try:
+        assert trainer.num_microbatches == num_microbatches
+        trainer.iteration()  # warm-up: lazy initialisation (optimizer state, buffers)
+        with HostSyncCounter() as ordinary:
+            trainer.iteration()  # iteration 2: no log record, no save
+        with HostSyncCounter() as logged:
+            trainer.iteration()  # iteration 3: a log record
+    finally:
+        close_trainer(trainer)
+    return {"ordinary": dict(ordinary.counts), "logged": dict(logged.counts)}
+
+
+def _trainer_worker(rank, world, run_dir):
+    return {"small": _trainer_syncs(f"{run_dir}/small", 1, 1),
+            "large": _trainer_syncs(f"{run_dir}/large", 3, 4)}
+
+
+def test_trainer_iteration_host_syncs_do_not_grow_with_parameters_or_micro_batches(tmp_path):
+    counts = run_distributed(_trainer_worker, 1, str(tmp_path))[0]
+    small, large = counts["small"], counts["large"]
+    assert small["ordinary"] == large["ordinary"], counts
+    assert sum(large["ordinary"].values()) <= MAX_TRAINER_SYNCS_PER_STEP, counts
+    assert "cuda.synchronize" not in large["ordinary"], counts  # only at log iterations
+    assert small["logged"] == large["logged"], counts
+    assert large["logged"].get("cuda.synchronize") == 1, counts

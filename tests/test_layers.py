@@ -127,9 +127,8 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
         with torch.no_grad():
             for name, w in weights.items():
                 if name.startswith("A_"):
-                    p = getattr(layer, name)
-                    p.copy_(w.chunk(t, dim=p.partition_dim)[(k + 1) % t] if t > 1
-                            else w.flip(0))
+                    layer.local(name).copy_(w.chunk(t, dim=layer.axis_of(name))[(k + 1) % t]
+                                            if t > 1 else w.flip(0))
     else:
         load_global_weights(layer, {n: w.to(dtype) for n, w in weights.items()})
     x_loc = local_view(kind, mode, x, t, k, groups, False).to(dtype).requires_grad_(True)
@@ -141,8 +140,8 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
             "out": rel_err(y, local_view(kind, mode, y_ref, t, k, groups, True)),
             "dx": rel_err(x_loc.grad, local_view(kind, mode, x_ref.grad, t, k, groups, False))}
     for name in weights:
-        p = getattr(layer, name)
-        errs[f"d{name}"] = rel_err(p.grad, shard_of(layer, name, ref_w[name].grad))
+        errs[f"d{name}"] = rel_err(layer.local(name, grad=True),
+                                   shard_of(layer, name, ref_w[name].grad))
     return {"errs": errs, "comm": log.summary()}
 
 

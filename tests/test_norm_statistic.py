@@ -3,9 +3,11 @@
 Two gloo ranks (TP=2) run one bf16 BoostLinearFC1 (fused norm) forward and backward, plainly
 and under low-rank activation checkpointing. Checked:
 
-* the forward all-reduces: the bf16 products (2r wide) and the sum of squares as a separate
-  fp32 collective, one value (4 bytes) per token: a bf16 statistic would have 2^-9 relative
-  error where megatron's RMSNorm computes it in fp32;
+* the forward all-reduces: the sum of squares as a separate fp32 collective, one value (4
+  bytes) per token, and the bf16 products (2r wide): a bf16 statistic would have 2^-9
+  relative error where megatron's RMSNorm computes it in fp32;
+* the statistic's all-reduce is started asynchronously before the A GEMM and the products'
+  all-reduce follows that GEMM, so the GEMM runs while the statistic travels;
 * nothing autograd saves in the forward is an fp32 tensor of x's shape (an fp32 copy of x would
   double the fused norm's activation memory in bf16);
 * the checkpointed run (replaying the two recorded reductions) gives bitwise the same input and
@@ -14,10 +16,10 @@ and under low-rank activation checkpointing. Checked:
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_boost.runtime.spawn import run_distributed
-import pytest
 
 pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
 
@@ -70,12 +72,59 @@ def _worker(rank, world):
     fwd = [(r.width, r.nbytes // (r.numel or 1)) for r in log.select("fwd")]
     plain, checkpointed = _grads(layer, x, False), _grads(layer, x, True)
     return {"fwd": fwd, "fp32_copies_of_x": saved.count((torch.float32, tuple(x.shape))),
-            "bitwise": all(torch.equal(a, b) for a, b in zip(plain, checkpointed))}
+            "bitwise": all(torch.equal(a, b) for a, b in zip(plain, checkpointed)),
+            "forward_events": _forward_events(layer, x)}
 
 
-def test_bf16_statistic_is_fp32_and_replayed_exactly():
-    res = run_distributed(_worker, 2)[0]
-    # (width, bytes per element): the bf16 products of gate|up, then the fp32 statistic
-    assert res["fwd"] == [(2 * RANK, 2), (1, 4)], res
+class _Events(torch.overrides.TorchFunctionMode):
+    """Logs torch.matmul calls and (through a wrapper installed for the block) all-reduces,
+    in call order."""
+
+    def __init__(self):
+        super().__init__()
+        self.events = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.matmul:
+            self.events.append(("matmul", tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._all_reduce = torch.distributed.all_reduce
+
+        def all_reduce(tensor, *args, async_op=False, **kwargs):
+            self.events.append(("all_reduce", str(tensor.dtype), async_op))
+            return self._all_reduce(tensor, *args, async_op=async_op, **kwargs)
+
+        torch.distributed.all_reduce = all_reduce
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.distributed.all_reduce = self._all_reduce
+        return super().__exit__(*exc)
+
+
+def _forward_events(layer, x):
+    with torch.no_grad(), _Events() as log:
+        layer(x)
+    return log.events
+
+
+@pytest.fixture(scope="module")
+def res():
+    return run_distributed(_worker, 2)[0]
+
+
+def test_bf16_statistic_is_fp32_and_replayed_exactly(res):
+    # (width, bytes per element): the fp32 statistic (issued first), then the bf16 products
+    assert res["fwd"] == [(1, 4), (2 * RANK, 2)], res
     assert res["fp32_copies_of_x"] == 0, res
     assert res["bitwise"], res
+
+
+def test_bf16_statistic_all_reduce_starts_before_the_a_gemm(res):
+    events = res["forward_events"]
+    # the statistic's fp32 all-reduce in flight, then the A GEMM ([2r, d/t] fused A factors),
+    # then the products' (synchronous) all-reduce; the B GEMMs follow
+    assert events[:3] == [("all_reduce", "torch.float32", True), ("matmul", (D // 2, 2 * RANK)),
+                          ("all_reduce", "torch.bfloat16", False)], events

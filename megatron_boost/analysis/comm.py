@@ -23,11 +23,16 @@ from megatron_boost.analysis.collectives import CommLog, record_collectives
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
 
 __all__ = ["MODES", "DTYPES", "tp_comm_widths", "fp32_statistic_columns",
-           "layer_comm_formula", "LayerCommSpec",
+           "layer_comm_formula", "layer_comm_bytes_per_token", "StepCommShape",
+           "step_comm_bytes", "LayerCommSpec",
            "comm_summary", "measure_layer_comm", "measure_layer_comm_specs",
            "layer_comm_worker", "build_decoder_layer"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
+#: megatron's vocab-parallel cross entropy all-reduces three fp32 values per token forward (the
+#: maximum logit, the target logit and the sum of exponentials), whatever the activation dtype.
+_CROSS_ENTROPY_FP32_VALUES = 3
 
 
 def tp_comm_widths(shape: ModelShape, mode: str,
@@ -42,8 +47,9 @@ def tp_comm_widths(shape: ModelShape, mode: str,
     * boost: one all-reduce of the group's bottleneck forward (qkv: 3r_a + 1 with the fused
       online-RMSNorm sum of squares, docs/design.md §3; o: r_a, gate+up: 2r_m + 1, down: r_m)
       and of its gradient backward (the same without the +1). With bf16 activations the
-      fp32 sum of squares is all-reduced on its own (one fp32 value per token), so qkv and
-      gate+up issue two forward all-reduces each: 3r_a and 1, 2r_m and 1.
+      fp32 sum of squares is all-reduced on its own (one fp32 value per token), started
+      before the A GEMM, so qkv and gate+up issue two forward all-reduces each: 1 then 3r_a,
+      1 then 2r_m.
     """
     d, f = shape.hidden, shape.ffn
     mode = check_mode(mode)
@@ -55,7 +61,7 @@ def tp_comm_widths(shape: ModelShape, mode: str,
     ra, rm = shape.r_attn, shape.r_mlp
     bwd = [3 * ra, ra, 2 * rm, rm]
     if fp32_statistic_columns(mode, dtype):
-        return [3 * ra, 1, ra, 2 * rm, 1, rm], bwd
+        return [1, 3 * ra, ra, 1, 2 * rm, rm], bwd
     return [3 * ra + 1, ra, 2 * rm + 1, rm], bwd
 
 
@@ -94,6 +100,64 @@ def layer_comm_formula(cfg: Any, mode: str, dtype: str = "fp32") -> Dict[str, An
             "fwd_widths": fwd, "bwd_widths": bwd,
             "fwd_fp32_columns": fp32_statistic_columns(mode, dtype),
             "fwd_formula": text[0], "bwd_formula": text[1]}
+
+
+def layer_comm_bytes_per_token(shape: ModelShape, mode: str,
+                               dtype: str = "fp32") -> Tuple[int, int]:
+    """(forward, backward) bytes per token one decoder layer hands to TP collectives: the
+    widths of :func:`tp_comm_widths` in the activation dtype, except online-RMSNorm's statistic
+    columns, which are fp32 whatever the activation dtype (docs/design.md §3)."""
+    fwd, bwd = tp_comm_widths(shape, mode, dtype)
+    esize = _ELEMENT_BYTES[dtype]
+    fp32_columns = fp32_statistic_columns(mode, dtype)
+    return sum(fwd) * esize + fp32_columns * (4 - esize), sum(bwd) * esize
+
+
+@dataclass(frozen=True)
+class StepCommShape:
+    """What one rank runs in a training step, as far as its TP collectives go."""
+
+    tp: int
+    """Tensor-parallel size (1: no TP collective at all)."""
+    tokens_per_microbatch: int
+    """micro_batch_size · seq_length."""
+    num_microbatches: int
+    """Micro-batches per step on this rank."""
+    local_layers: int
+    """Decoder layers of this rank's model chunks (all virtual stages)."""
+    has_embedding: bool
+    """This rank runs the embedding (first pipeline stage)."""
+    has_head: bool
+    """This rank runs the final norm, the output layer and the loss (last pipeline stage)."""
+    full_recompute: bool = False
+    """megatron's full activation recompute re-runs each layer's forward, collectives
+    included, during the backward (low-rank recompute replays them, docs/design.md §7)."""
+
+
+def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
+                    step: StepCommShape) -> Dict[str, int]:
+    """{'fwd', 'bwd'}: bytes this rank hands to TP collectives in one training step, from the
+    formula (docs/design.md §5), what :func:`record_collectives` measures around the step.
+
+    Per micro-batch and token: the decoder layers (:func:`layer_comm_bytes_per_token`); the
+    embedding's forward all-reduce of width d in full and naive (boost's hidden-sharded table
+    needs none); at the head, boost's forward all-gather of the d-wide hidden stream, the output
+    layer's backward all-reduce of its d-wide input gradient (every mode) and the fp32 values of
+    the vocab-parallel cross entropy."""
+    if step.tp == 1:
+        return {"fwd": 0, "bwd": 0}
+    mode = check_mode(mode)
+    esize, d = _ELEMENT_BYTES[dtype], shape.hidden
+    layer_fwd, layer_bwd = layer_comm_bytes_per_token(shape, mode, dtype)
+    fwd = step.local_layers * layer_fwd
+    bwd = step.local_layers * (layer_bwd + (layer_fwd if step.full_recompute else 0))
+    if step.has_embedding and mode != "boost":
+        fwd += d * esize
+    if step.has_head:
+        fwd += (d * esize if mode == "boost" else 0) + _CROSS_ENTROPY_FP32_VALUES * 4
+        bwd += d * esize
+    tokens = step.tokens_per_microbatch * step.num_microbatches
+    return {"fwd": fwd * tokens, "bwd": bwd * tokens}
 
 
 def comm_summary(log: CommLog, tokens: int) -> Dict[str, Any]:

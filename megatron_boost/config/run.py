@@ -178,6 +178,9 @@ class LoggingConfig:
     """Write TensorBoard event files under <run_dir>/tensorboard (if tensorboard is installed)."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s per device for MFU; null looks the device up in a table (CPU: none)."""
+    measure_comm: bool = False
+    """Measure the TP collectives of each logged step (tp_comm_bytes_measured, beside the
+    formula's tp_comm_bytes): wraps torch.distributed process-wide for that step only."""
 
 
 @dataclass

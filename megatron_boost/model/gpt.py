@@ -106,8 +106,12 @@ class HiddenShardedEmbedding(MegatronModule):
         super().__init__(config=config)
         self.tp_group = tp_group
         t = get_pg_size(tp_group)
-        self.word_embeddings = torch.nn.Embedding(vocab_size, config.hidden_size // t,
-                                                  dtype=config.params_dtype)
+        shape = (vocab_size, config.hidden_size // t)
+        # torch's own normal init only where megatron would initialise (docs/design.md §8)
+        initial = None if config.perform_initialization else torch.empty(
+            shape, dtype=config.params_dtype)
+        self.word_embeddings = torch.nn.Embedding(*shape, dtype=config.params_dtype,
+                                                  _weight=initial)
         set_tensor_model_parallel_attributes(self.word_embeddings.weight, True, 1, 1)
 
     def forward(self, input_ids, position_ids=None, tokentype_ids=None):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Iterable
+from typing import Callable, Iterable, List
 
 import torch
 
-__all__ = ["cola_std", "cola_init_", "sharded_params", "init_global_weights"]
+__all__ = ["cola_std", "cola_init_", "sharded_params", "init_global_weights",
+           "build_globally_initialised"]
 
 
 def cola_std(rank: int, d_in: int, d_out: int) -> float:
@@ -33,8 +34,9 @@ def cola_init_(master: torch.Tensor, rank: int, d_in: int, d_out: int) -> torch.
 
 def sharded_params(model: torch.nn.Module, prefix: str = ""):
     """(global key, global shape, local slice of the global tensor -> local tensor, param) for
-    every parameter, from the model's sharded_state_dict (so global names and shapes follow
-    megatron's own checkpoint metadata, whatever the layout)."""
+    every global tensor, from the model's sharded_state_dict (so global names and shapes follow
+    megatron's own checkpoint metadata, whatever the layout). ``param`` is the parameter, or
+    for a parameter holding several global tensors (a grouped A) its rows of it."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -47,20 +49,44 @@ def sharded_params(model: torch.nn.Module, prefix: str = ""):
             continue
         if isinstance(sh, ShardedTensorFactory):
             # megatron's gated fc1 (full mode) saves its local [gate_k; up_k] as two pieces of
-            # the global [gate; up]: the local tensor is their concatenation along dim 0.
+            # the global [gate; up]: the local tensor is their concatenation along dim 0. A
+            # grouped A (model/layers.py) holds several global tensors, A_q, A_k, ...: one
+            # entry each, over its rows of the local tensor.
             pieces = [p for p in nested_values(sh.build()) if isinstance(p, ShardedTensor)]
         elif isinstance(sh, ShardedTensor):
             pieces = [sh]
         else:
             continue
-        first = pieces[0]
-        # Layers are stacked along prepended axes (the global layer index): they become part
-        # of the identity, "decoder.layers.mlp.linear_fc1.A_up@3".
-        pre = first.prepend_axis_num
-        key = first.key if not pre else (
-            first.key + "@" + ".".join(str(o) for o in first.global_offset[:pre]))
-        out.append((key, tuple(first.global_shape[pre:]), _slicer(pieces), param))
+        if len({piece.key for piece in pieces}) == 1:
+            out.append((_identity(pieces[0]), _global_shape(pieces[0]), _slicer(pieces), param))
+            continue
+        row = 0
+        for piece in pieces:
+            rows = piece.local_shape[0]
+            out.append((_identity(piece), _global_shape(piece), _slicer([piece]),
+                        _rows_of(param, row, rows)))
+            row += rows
     return out
+
+
+def _identity(sh) -> str:
+    """The global key of a ShardedTensor. Layers are stacked along prepended axes (the global
+    layer index): they become part of the identity, "decoder.layers.mlp.linear_fc1.B_up@3"."""
+    pre = sh.prepend_axis_num
+    return sh.key if not pre else sh.key + "@" + ".".join(str(o) for o in sh.global_offset[:pre])
+
+
+def _global_shape(sh) -> tuple:
+    return tuple(sh.global_shape[sh.prepend_axis_num:])
+
+
+def _rows_of(param: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+    """Rows [start, start + rows) of a parameter, sharing its memory (writes reach it), with
+    the same rows of its ``main_grad`` (megatron's DDP gradient buffer) where it has one."""
+    view = param.detach().narrow(0, start, rows)
+    if getattr(param, "main_grad", None) is not None:
+        view.main_grad = param.main_grad.narrow(0, start, rows)
+    return view
 
 
 def _slicer(pieces):
@@ -99,7 +125,9 @@ def init_global_weights(chunks: Iterable[torch.nn.Module], seed: int, config) ->
     """Initialise every parameter from ``seed`` and its global checkpoint key, so the global
     (unsharded) weights are identical for every mode that shares the key and every TP/PP
     layout. Each global tensor is drawn from its own generator and sliced."""
+    chunks = list(chunks)
     entries = [e for chunk in chunks for e in sharded_params(chunk)]
+    _check_every_parameter_covered(chunks, entries)
     shapes = {key: shape for key, shape, _, _ in entries}
     with torch.no_grad():
         for key, shape, slicer, param in entries:
@@ -111,3 +139,61 @@ def init_global_weights(chunks: Iterable[torch.nn.Module], seed: int, config) ->
                                    f"{tuple(shape)} does not match the parameter "
                                    f"{tuple(param.shape)}")
             param.copy_(local.to(param.dtype))
+
+
+def _check_every_parameter_covered(chunks, entries) -> None:
+    """Every element of every parameter must be written by the global init: a model built
+    without megatron's own init (:func:`build_globally_initialised`) would otherwise keep
+    uninitialised memory."""
+    def span(t):  # the memory of a contiguous tensor: [first byte, last byte + 1)
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+    written = [span(tensor) for *_, tensor in entries]
+
+    def covered(p) -> int:
+        lo, hi = span(p)
+        return sum(max(0, min(b, hi) - max(a, lo)) for a, b in written)
+
+    missing = [name for chunk in chunks for name, p in chunk.named_parameters()
+               if covered(p) < p.numel() * p.element_size()]
+    if missing:
+        raise RuntimeError(f"init_global_weights: no global checkpoint key for parameter(s) "
+                           f"{missing}; every parameter needs one in sharded_state_dict")
+
+
+def build_globally_initialised(build: Callable[[], List[torch.nn.Module]], config,
+                               seed: int) -> List[torch.nn.Module]:
+    """``build()``'s model chunks with every weight drawn once: megatron's per-layer init
+    (``perform_initialization``, and this project's layers and embedding, which follow it) is
+    off while they are built, the TP attributes megatron sets only in its init are set from
+    the checkpoint metadata, and :func:`init_global_weights` then writes every parameter (it
+    checks that none is left out)."""
+    saved = config.perform_initialization
+    config.perform_initialization = False
+    try:
+        chunks = build()
+    finally:
+        config.perform_initialization = saved
+    for chunk in chunks:
+        _set_missing_tp_attributes(chunk)
+    init_global_weights(chunks, seed, config)
+    return chunks
+
+
+def _set_missing_tp_attributes(model: torch.nn.Module) -> None:
+    """megatron sets the TP attributes of its parallel layers' weights (``tensor_model_parallel``,
+    ``partition_dim``, ``stride``) inside its init functions, so without
+    ``perform_initialization`` they are missing, and the gradient norm would count those
+    weights on TP rank 0 only (docs/design.md §10.8). They are set here from the checkpoint
+    metadata instead: a parameter whose local shape differs from its global one along one
+    axis is sharded along that axis."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for _, shape, _, param in sharded_params(model):
+        if not isinstance(param, torch.nn.Parameter) or hasattr(param,
+                                                                "tensor_model_parallel"):
+            continue
+        axes = [i for i, (n_local, n_global) in enumerate(zip(param.shape, shape))
+                if n_local != n_global]
+        if len(axes) == 1:
+            set_tensor_model_parallel_attributes(param, True, axes[0], 1)

@@ -11,7 +11,9 @@ boost (BOOST's bottleneck-aware TP, docs/design.md §2):
     A_<p>: [r_p, d_in/t]  sharded along d_in (dim 1; the input is hidden/head/ffn-sharded)
     B_<p>: [d_out_p/t, r_p] sharded along d_out (dim 0; the output is head/ffn/hidden-sharded)
     layer_norm_weight: [d_in/t] (fused online-RMSNorm, column layers only)
-    One all-reduce of width Σr (+1 with the norm) forward, one of width Σr backward.
+    One all-reduce of width Σr (+1 with the norm in fp32) forward, one of width Σr backward;
+    with bf16 products the norm's fp32 statistic has an all-reduce of its own, started before
+    the A GEMM (``model/online_rmsnorm.py``).
 
 naive ("vanilla TP", Megatron's MLP pattern applied to each (A, B) pair):
     A_<p>: [r_p/t, d_in]  sharded along r (dim 0; column-parallel, replicated input)
@@ -33,24 +35,28 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.core.utils import get_pg_rank, get_pg_size, make_tp_sharded_tensor_for_checkpoint
 
 from megatron_boost.compat import linear_with_dgrad_allreduce
 from megatron_boost.config.transformer import (
     BoostTransformerConfig, TPMode, check_divisible_by_tp, get_bottleneck_activation)
 from megatron_boost.model.init import cola_init_
+from megatron_boost.model.online_rmsnorm import (
+    inverse_rms,
+    partial_sum_of_squares,
+    replay_sum_of_squares,
+    start_sum_of_squares,
+    statistic_rides_with_products,
+)
 from megatron_boost.parallel.mappings import (
     bottleneck_up,
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     split_project,
 )
-from megatron_boost.parallel.recompute import (
-    ForwardReductions,
-    statistic_rides_with_products,
-    sum_of_squares,
-)
+from megatron_boost.parallel.recompute import ForwardReductions, replay_product
 
 __all__ = [
     "Projection",
@@ -114,22 +120,26 @@ class BottleneckGroup(MegatronModule):
         self._check_divisible()
         device = (torch.device("cpu") if config.use_cpu_initialization
                   or not torch.cuda.is_available() else torch.cuda.current_device())
-        for p in self.projections:
-            for factor, (rows, cols), axis, init in (
-                ("A", (p.rank, input_size), self._a_axis, config.init_method),
-                ("B", (p.out_size, p.rank), self._b_axis, config.output_layer_init_method),
-            ):
-                master = torch.empty(rows, cols, dtype=torch.float32)
-                if config.cola_init:
-                    cola_init_(master, p.rank, input_size, p.out_size)
-                else:
-                    init(master)
-                local = master.chunk(self.tp_size, dim=axis)[self.tp_rank]
-                param = torch.nn.Parameter(local.to(device=device, dtype=config.params_dtype)
-                                           .contiguous())
-                set_tensor_model_parallel_attributes(param, is_parallel=True, dim=axis,
-                                                     stride=1)
-                self.register_parameter(f"{factor}_{p.name}", param)
+        # Local rows of each projection's A factor in the grouped A (boost shards d_in, so
+        # its rows are whole; naive shards the rank).
+        self._a_rows = [p.rank if self._a_axis == 1 else p.rank // self.tp_size
+                        for p in self.projections]
+        a_shards = []
+        for p in self.projections:  # drawn in the order A_p, B_p (same seed, same weights)
+            a_shards.append(self._initial_shard(p.rank, input_size, self._a_axis,
+                                                config.init_method, p, device))
+            b = torch.nn.Parameter(self._initial_shard(
+                p.out_size, p.rank, self._b_axis, config.output_layer_init_method, p, device))
+            set_tensor_model_parallel_attributes(b, is_parallel=True, dim=self._b_axis,
+                                                 stride=1)
+            self.register_parameter(f"B_{p.name}", b)
+        # The group's A factors stored as ONE parameter [Σ local r, local d_in], so the group's
+        # GEMM reads it as it is, with no concatenation per forward (docs/design.md §4).
+        # Checkpoints still hold A_<p> (sharded_state_dict); factors("A") are row views.
+        self.A = torch.nn.Parameter(torch.cat(a_shards, dim=0) if len(a_shards) > 1
+                                    else a_shards[0])
+        set_tensor_model_parallel_attributes(self.A, is_parallel=True, dim=self._a_axis,
+                                             stride=1)
         if fuse_norm:
             # γ of the fused RMSNorm, sharded like the hidden stream it scales.
             gamma = torch.ones(input_size // self.tp_size, device=device,
@@ -138,6 +148,24 @@ class BottleneckGroup(MegatronModule):
             set_tensor_model_parallel_attributes(self.layer_norm_weight, True, 0, 1)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    def _initial_shard(self, rows: int, cols: int, axis: int, init, p: Projection,
+                       device) -> torch.Tensor:
+        """This rank's shard of a factor with global shape [rows, cols]: drawn as the global
+        master and sliced, or left uninitialised without megatron's ``perform_initialization``
+        (the layout-independent init then writes it, docs/design.md §8)."""
+        dtype = self.config.params_dtype
+        if not self.config.perform_initialization:
+            shape = [rows, cols]
+            shape[axis] //= self.tp_size
+            return torch.empty(shape, device=device, dtype=dtype)
+        master = torch.empty(rows, cols, dtype=torch.float32)
+        if self.config.cola_init:
+            cola_init_(master, p.rank, self.input_size, p.out_size)
+        else:
+            init(master)
+        local = master.chunk(self.tp_size, dim=axis)[self.tp_rank]
+        return local.to(device=device, dtype=dtype).contiguous()
 
     def _check_divisible(self):
         # boost shards d_in (A) and d_out (B); naive shards the rank (A rows, B columns).
@@ -149,13 +177,31 @@ class BottleneckGroup(MegatronModule):
                                                "this layer's split")
                                               for what, size in sizes], self.mode)
 
-    def factors(self, which: str) -> List[torch.nn.Parameter]:
+    def factors(self, which: str) -> List[torch.Tensor]:
+        """The local factors of the projections, in order: B_<p> parameters, or for "A" the
+        row views of the grouped A ([local r_p, local d_in] each)."""
+        if which == "A":
+            return list(self.A.split(self._a_rows, dim=0))
         return [getattr(self, f"{which}_{p.name}") for p in self.projections]
 
-    def _fused_a(self) -> torch.Tensor:
-        """The group's A factors as one matrix, so the group runs one GEMM."""
-        a = self.factors("A")
-        return a[0] if len(a) == 1 else torch.cat(a, dim=0)  # [Σ local r, local d_in]
+    def local(self, name: str, grad: bool = False) -> Optional[torch.Tensor]:
+        """This rank's tensor of a global parameter name (A_<p>, B_<p>, layer_norm_weight),
+        or its gradient: A_<p> is its rows of the grouped A."""
+        if not name.startswith("A_"):
+            param = getattr(self, name)
+            return param.grad if grad else param
+        source = self.A.grad if grad else self.A
+        if source is None:
+            return None
+        i = [f"A_{p.name}" for p in self.projections].index(name)
+        return source.split(self._a_rows, dim=0)[i]
+
+    def axis_of(self, name: str) -> int:
+        """The axis along which a global parameter (A_<p>, B_<p>, layer_norm_weight) is
+        sharded over the TP group."""
+        if name.startswith("A_"):
+            return self._a_axis
+        return self._b_axis if name.startswith("B_") else 0  # γ: sharded like the hidden
 
     def combine(self, outs: List[torch.Tensor]) -> torch.Tensor:
         """Lay out the per-projection outputs as the consumer expects (default: concat)."""
@@ -180,18 +226,48 @@ class BottleneckGroup(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Global tensors named A_<p>, B_<p> (and layer_norm_weight), with global shapes that do
-        not depend on the mode or the TP size; only the sharding axis differs."""
+        not depend on the mode or the TP size; only the sharding axis differs. The grouped A
+        is saved as its A_<p> pieces through a ShardedTensorFactory, as megatron saves its
+        fused gated fc1 (split when saving, concatenated when loading)."""
         state = self.state_dict(prefix="", keep_vars=True)
-        axis_map = {f"A_{p.name}": self._a_axis for p in self.projections}
-        axis_map.update({f"B_{p.name}": self._b_axis for p in self.projections})
+        grouped_a = state.pop("A")
+        axis_map = {f"B_{p.name}": self._b_axis for p in self.projections}
         if self.fuse_norm:
             axis_map["layer_norm_weight"] = 0
         dp_cp_group = (metadata or {}).get("dp_cp_group")
         if dp_cp_group is None:
             dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        return make_sharded_tensors_for_checkpoint(
+        sd = make_sharded_tensors_for_checkpoint(
             state, prefix, axis_map, sharded_offsets, tp_group=self.tp_group,
             dp_cp_group=dp_cp_group)
+        sd[f"{prefix}A"] = self._grouped_a_factory(f"{prefix}A", grouped_a, sharded_offsets,
+                                                   dp_cp_group)
+        return sd
+
+    def _grouped_a_factory(self, key: str, grouped_a: torch.Tensor, sharded_offsets,
+                           dp_cp_group) -> ShardedTensorFactory:
+        """The grouped A [Σ local r, local d_in] as the ShardedTensors ``<key>_<p>`` (A_q,
+        A_k, ...; the optimizer's state prefixes ``key``), each sharded along the A axis."""
+        names, rows, axis = [p.name for p in self.projections], self._a_rows, self._a_axis
+
+        def sharded(key_p, tensor, replica_id=None):
+            return make_tp_sharded_tensor_for_checkpoint(
+                tensor, key_p, axis, replica_id=replica_id, prepend_offsets=sharded_offsets,
+                tp_group=self.tp_group, dp_cp_group=dp_cp_group)
+
+        @torch.no_grad()
+        def build(key, t, replica_id, flattened_range):
+            if flattened_range is not None:
+                raise NotImplementedError("flattened ranges of the grouped A factors")
+            return [sharded(f"{key}_{name}", piece, replica_id)
+                    for name, piece in zip(names, t.split(rows, dim=0))]
+
+        def merge(pieces):
+            with torch.no_grad():
+                return torch.cat(pieces, dim=0)  # [Σ local r, local d_in]
+
+        return ShardedTensorFactory(key, grouped_a, build, merge,
+                                    replica_id=sharded(key, grouped_a).replica_id)
 
 
 class BoostBottleneckGroup(BottleneckGroup):
@@ -203,7 +279,8 @@ class BoostBottleneckGroup(BottleneckGroup):
     With ``fuse_norm`` the layer computes B·σ(A·RMSNorm(x)) exactly, although no rank holds the
     whole of x: RMSNorm only rescales each token, so A·(γ⊙x/rms) = (A·(γ⊙x))/rms. Each rank
     adds its partial sum of squares Σ x_k² as one extra column of the SAME all-reduce
-    (online-RMSNorm, BOOST section 4), and 1/rms is applied after it.
+    (online-RMSNorm, BOOST section 4; in bf16 its fp32 all-reduce of its own runs during the
+    A GEMM), and 1/rms is applied after it.
     """
 
     mode = TPMode.BOOST
@@ -216,7 +293,7 @@ class BoostBottleneckGroup(BottleneckGroup):
         # complete on every rank
         total, sumsq = self._reduced_products(x)
         if self.fuse_norm:
-            inv_rms = torch.rsqrt(sumsq / self.input_size + self.eps)  # fp32 [s, b, 1]
+            inv_rms = inverse_rms(sumsq, self.input_size, self.eps)  # fp32 [s, b, 1]
             total = (total.float() * inv_rms).to(total.dtype)
         # B factors on the replicated bottleneck; bwd: AR(Σr) of dz, overlapped with dB.
         outs = bottleneck_up(self.activation(total), self.factors("B"), ranks, self.tp_group,
@@ -225,26 +302,47 @@ class BoostBottleneckGroup(BottleneckGroup):
 
     def _reduced_products(self, x: torch.Tensor):
         """ONE GEMM for the group's A factors on the (γ-scaled) shard and ONE all-reduce of the
-        partial products with, when the norm is fused, the partial sum of squares of x as one
-        extra column: fwd AR(Σr + 1); bwd identity (then the GEMMs' backward). The statistic
-        is fp32 from x to 1/rms: with bf16 products it is all-reduced in fp32 on its own
-        (:func:`statistic_rides_with_products`). Returns (products, statistic or None).
+        partial products; fwd AR(Σr), bwd identity (then the GEMMs' backward). With the fused
+        norm, online-RMSNorm's fp32 statistic (``model/online_rmsnorm.py``) rides as one extra
+        column of that all-reduce (Σr + 1) with fp32 products; with bf16 products its own fp32
+        all-reduce is started before the GEMM and waited for after the products' one.
+        Returns (products, statistic or None).
 
         In the recompute of low-rank activation checkpointing the recorded sums are returned
         without communicating and without recomputing the product (docs/design.md §7)."""
         xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
-        sumsq_of = x if self.fuse_norm else None
-        replay = self.forward_reductions
-        if replay is not None and replay.replaying and self.tp_size > 1:
-            return replay.replay_product(xin, self._fused_a(), sumsq_of)
-        partial = torch.matmul(xin, self._fused_a().t())  # [s, b, Σr]
-        if sumsq_of is None:
-            return self._all_reduce_forward(partial), None
-        sumsq = sum_of_squares(sumsq_of)  # fp32 [s, b, 1], partial over the ranks
-        if not statistic_rides_with_products(partial.dtype):
-            return self._all_reduce_forward(partial), self._all_reduce_forward(sumsq)
-        fused = self._all_reduce_forward(torch.cat([partial, sumsq], dim=-1))  # [s, b, Σr + 1]
-        return fused.split([partial.shape[-1], 1], dim=-1)  # [s, b, Σr], [s, b, 1]
+        reductions = self.forward_reductions
+        if reductions is not None and reductions.replaying and self.tp_size > 1:
+            return self._replayed_products(xin, x, reductions)
+        if not self.fuse_norm:
+            return self._all_reduce_forward(torch.matmul(xin, self.A.t())), None
+        if statistic_rides_with_products(xin.dtype):
+            partial = torch.matmul(xin, self.A.t())  # [s, b, Σr]
+            sumsq = partial_sum_of_squares(x)  # fp32 [s, b, 1], partial over the ranks
+            fused = self._all_reduce_forward(torch.cat([partial, sumsq], dim=-1))  # [s,b,Σr+1]
+            return fused.split([partial.shape[-1], 1], dim=-1)  # [s, b, Σr], [s, b, 1]
+        pending = start_sum_of_squares(x, self.tp_group, self.tp_size)  # in flight
+        products = self._all_reduce_forward(torch.matmul(xin, self.A.t()))
+        sumsq = pending.wait()  # fp32 [s, b, 1], complete
+        if reductions is not None and self.tp_size > 1:
+            reductions.record(sumsq)
+        return products, sumsq
+
+    def _replayed_products(self, xin: torch.Tensor, x: torch.Tensor,
+                           reductions: ForwardReductions):
+        """:meth:`_reduced_products` from the results recorded in the checkpointed forward,
+        in the order recorded there: one [Σr (+1)] result, or with bf16 products the
+        products then the statistic."""
+        a = self.A
+        first = reductions.next_recorded()
+        if not self.fuse_norm:
+            return replay_product(xin, a, first), None
+        if statistic_rides_with_products(xin.dtype):
+            n = a.shape[0]
+            products, stat = first[..., :n], first[..., n:]  # [s, b, Σr], [s, b, 1]
+        else:
+            products, stat = first, reductions.next_recorded()
+        return replay_product(xin, a, products), replay_sum_of_squares(x, stat)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
@@ -269,7 +367,7 @@ class NaiveBottleneckGroup(BottleneckGroup):
         """x · A_local^T on the replicated input: megatron's column-parallel linear. bwd:
         AR(d_in) of dx, overlapped with the dA GEMM when ``overlap_bottleneck_grad_reduce``,
         else issued first as in the plain autograd graph."""
-        a = self._fused_a()  # [Σr/t, d_in]
+        a = self.A  # [Σr/t, d_in]
         if not self.config.overlap_bottleneck_grad_reduce:
             return torch.matmul(copy_to_tensor_model_parallel_region(x, group=self.tp_group),
                                 a.t())

@@ -3,7 +3,8 @@
 
 A checkpointed layer keeps, for its backward, only its input (boost: the hidden shard
 [s, b, d/t]) and the results of its forward all-reduces (boost: the Σr (+1) wide bottleneck
-sums and online-RMSNorm's fp32 sums of squares; naive: the reduced chunk outputs). The
+sums and online-RMSNorm's fp32 sums of squares, whose stand-in lives with the norm in
+``model/online_rmsnorm.py``; naive: the reduced chunk outputs). The
 backward re-runs the layer; each forward all-reduce is then served from the recorded result,
 so a recompute never re-runs a collective and computes bitwise the same values.
 
@@ -20,8 +21,7 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
-__all__ = ["ForwardReductions", "installed", "lowrank_checkpoint", "sum_of_squares",
-           "statistic_rides_with_products"]
+__all__ = ["ForwardReductions", "installed", "lowrank_checkpoint", "replay_product"]
 
 
 class _ReplayReduce(torch.autograd.Function):
@@ -66,55 +66,10 @@ class _ReplayProduct(torch.autograd.Function):
         return dxin, da, None
 
 
-# ---- online-RMSNorm's statistic (docs/design.md §3), and its replay --------------------------
-
-
-def statistic_rides_with_products(dtype: torch.dtype) -> bool:
-    """Whether the fp32 sum of squares travels as the extra column of the products' all-reduce
-    (one Σr + 1 collective): with fp32 products. With bf16 products it is all-reduced in fp32
-    on its own, since a bf16 sum of squares carries a 2^-9 relative error that RMSNorm's own
-    fp32 statistic does not."""
-    return dtype == torch.float32
-
-
-def _sum_of_squares_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """d(Σ_k x_k²)/dx for the fp32 gradient g [s, b, 1], in x's dtype: 2·x·g."""
-    return (g * (2.0 * x.float())).to(x.dtype)
-
-
-class _SumOfSquares(torch.autograd.Function):
-    """Σ_k x_k² over the last dimension, in fp32 ([s, b, 1]). Saves x in its own dtype (the
-    fused norm's input, which autograd keeps anyway), not an fp32 copy of it."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x.float().pow(2).sum(dim=-1, keepdim=True)  # [s, b, 1]
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return _sum_of_squares_grad(x, g)
-
-
-def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
-    """online-RMSNorm's partial statistic Σ_k x_k² of the local shard x, fp32 [s, b, 1]."""
-    return _SumOfSquares.apply(x)
-
-
-class _ReplaySumOfSquares(torch.autograd.Function):
-    """Recompute stand-in of the all-reduced statistic: the recorded fp32 [s, b, 1]; bwd as
-    :class:`_SumOfSquares` (the reduction's bwd is identity)."""
-
-    @staticmethod
-    def forward(ctx, x, recorded):
-        ctx.save_for_backward(x)
-        return recorded.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return _sum_of_squares_grad(x, g), None
+def replay_product(xin: torch.Tensor, a: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+    """The recorded all-reduce(xin · A^T), with that expression's gradients
+    (:class:`_ReplayProduct`): no communication, no GEMM."""
+    return _ReplayProduct.apply(xin, a, recorded)
 
 
 class ForwardReductions:
@@ -129,7 +84,8 @@ class ForwardReductions:
         self.results: List[torch.Tensor] = list(recorded) if self.replaying else []
         self._next = 0
 
-    def _pop(self) -> torch.Tensor:
+    def next_recorded(self) -> torch.Tensor:
+        """The next recorded result, in issue order; only while replaying."""
         out = self.results[self._next]
         self._next += 1
         return out
@@ -137,27 +93,15 @@ class ForwardReductions:
     def reduce(self, x: torch.Tensor, all_reduce: Callable) -> torch.Tensor:
         """``all_reduce(x)``, recorded; when replaying, the recorded result instead."""
         if self.replaying:
-            return _ReplayReduce.apply(x, self._pop())
+            return _ReplayReduce.apply(x, self.next_recorded())
         out = all_reduce(x)
         self.results.append(out.detach())
         return out
 
-    def replay_product(self, xin: torch.Tensor, a: torch.Tensor,
-                       sumsq_of: Optional[torch.Tensor]):
-        """The recorded (all-reduce(xin · A^T), all-reduce(Σ sumsq_of²) or None), with those
-        expressions' gradients (_ReplayProduct, _ReplaySumOfSquares); only while replaying.
-        Recorded as one [Σr + 1] result or, with bf16 products, two (see
-        :func:`statistic_rides_with_products`)."""
-        first = self._pop()
-        if sumsq_of is None:
-            return _ReplayProduct.apply(xin, a, first), None
-        if statistic_rides_with_products(xin.dtype):
-            n = a.shape[0]
-            products, stat = first[..., :n], first[..., n:]  # [s, b, Σr], [s, b, 1]
-        else:
-            products, stat = first, self._pop()
-        return (_ReplayProduct.apply(xin, a, products),
-                _ReplaySumOfSquares.apply(sumsq_of, stat))
+    def record(self, reduced: torch.Tensor) -> None:
+        """Record the result of a reduction issued outside :meth:`reduce` (an asynchronous
+        one, once it is complete); only while recording."""
+        self.results.append(reduced.detach())
 
     def check_consumed(self) -> None:
         """A recompute must replay exactly the reductions its forward recorded."""

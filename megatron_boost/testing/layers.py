@@ -23,13 +23,12 @@ def global_shapes(group) -> Dict[str, tuple]:
 
 
 def shard_of(group, name: str, global_tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of the global parameter ``name`` (its TP partition dimension)."""
-    param = getattr(group, name)
-    return global_tensor.chunk(group.tp_size, dim=param.partition_dim)[group.tp_rank]
+    """This rank's slice of the global parameter ``name`` (along its TP axis, ``axis_of``)."""
+    return global_tensor.chunk(group.tp_size, dim=group.axis_of(name))[group.tp_rank]
 
 
 def load_global_weights(group, weights: Dict[str, torch.Tensor]) -> None:
     """Copy this rank's slices of the given global tensors into the parameters."""
     with torch.no_grad():
         for name, tensor in weights.items():
-            getattr(group, name).copy_(shard_of(group, name, tensor))
+            group.local(name).copy_(shard_of(group, name, tensor))

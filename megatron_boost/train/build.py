@@ -19,7 +19,7 @@ from megatron_boost.config.resolved import ResolvedRun, to_transformer_config
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.config.validation import lr_decay_iterations, train_iterations
 from megatron_boost.model.gpt import build_model
-from megatron_boost.model.init import init_global_weights
+from megatron_boost.model.init import build_globally_initialised
 from megatron_boost.train.step import (
     build_ddp_model,
     build_optimizer,
@@ -69,10 +69,10 @@ def build_scheduler(optimizer, run: ResolvedRun) -> OptimizerParamScheduler:
 def _inference_chunks(run: ResolvedRun, config: BoostTransformerConfig) -> List[Any]:
     """Bare model chunks (no DDP) in eval mode on the run's device, initialised like the
     trainer's; bf16 runs are wrapped in megatron's Float16Module as the trainer wraps them."""
-    chunks = build_model(config, run.padded_vocab_size, run.seq_length,
-                         pg_collection=run.process_groups,
-                         rotary_base=run.cfg.model.rotary_base)
-    init_global_weights(chunks, run.seed, config)
+    chunks = build_globally_initialised(  # every weight drawn once, docs/design.md §8
+        lambda: build_model(config, run.padded_vocab_size, run.seq_length,
+                            pg_collection=run.process_groups,
+                            rotary_base=run.cfg.model.rotary_base), config, run.seed)
     device = torch.device("cuda", torch.cuda.current_device()) if run.device == "cuda" \
         else torch.device("cpu")
     chunks = [c.to(device) for c in chunks]

@@ -225,9 +225,12 @@ def read_common_state(ckpt_dir: Path) -> dict:
 
 def _expected_tensors(sharded_sd: dict) -> Iterable:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    return (v for v in nested_values(sharded_sd) if isinstance(v, ShardedTensor))
+    for v in nested_values(sharded_sd):
+        # a factory (a grouped A, megatron's gated fc1) saves the tensors it builds
+        pieces = nested_values(v.build()) if isinstance(v, ShardedTensorFactory) else [v]
+        yield from (p for p in pieces if isinstance(p, ShardedTensor))
 
 
 def check_tensor_shapes(ckpt_dir: Path, sharded_sd: dict) -> None:

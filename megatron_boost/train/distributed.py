@@ -1,12 +1,10 @@
 """torch.distributed process group of a run: init (also for a plain one-process launch),
-rank-0 printing, the last-stage broadcast used for logging, and shutdown."""
+rank-0 printing and shutdown."""
 
 from __future__ import annotations
 
 import datetime
-import math
 import os
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -14,8 +12,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_boost.compat import check_megatron_version
 
-__all__ = ["init_distributed", "init_world_of_one", "launched_by_torchrun", "shutdown", "print0",
-           "broadcast_from_last_stage"]
+__all__ = ["init_distributed", "init_world_of_one", "launched_by_torchrun", "shutdown", "print0"]
 
 
 def init_distributed(device: str, timeout: datetime.timedelta) -> None:
@@ -63,16 +60,3 @@ def shutdown() -> None:
 def print0(*args, **kwargs) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
-
-
-def broadcast_from_last_stage(value: Optional[float], device) -> Optional[float]:
-    """Hand a value that lives on the last pipeline stage to every rank of the pipeline
-    group (so rank 0, on the first stage, can log it)."""
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return value
-    t = torch.tensor([float("nan") if value is None else value], dtype=torch.float64,
-                     device=device)
-    dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(),
-                   group=ps.get_pipeline_model_parallel_group())
-    out = float(t.item())
-    return None if math.isnan(out) else out

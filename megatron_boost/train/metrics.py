@@ -4,8 +4,10 @@ TensorBoard.
 ``metrics.jsonl`` has one JSON object per logged iteration: ``iteration``, ``tokens``
 (consumed), ``loss`` (mean training loss over the log window), ``lr``, ``grad_norm``,
 ``tokens_per_s``, ``tflops`` (achieved model TFLOP/s per device, ``analysis/flops.py``),
-``mfu`` (null without a known peak), ``tp_comm_bytes`` (bytes this rank handed to tensor-parallel
-collectives in the last step, forward and backward; docs/design.md §5), ``peak_mem_bytes``,
+``mfu`` (null without a known peak), ``tp_comm_bytes`` (bytes this rank hands to tensor-parallel
+collectives per step, forward and backward, from the formula; docs/design.md §5; with
+``logging.measure_comm`` also ``tp_comm_bytes_measured``, recorded around that step),
+``peak_mem_bytes``,
 ``step_time_s``, ``skipped_steps`` (non-finite steps skipped in the window); evaluations
 add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on resume the records after the
 resumed iteration are dropped, so the file is one trajectory.
@@ -41,7 +43,7 @@ class LogWindow:
 
     def add(self, loss: Optional[float], seconds: float, tokens: int,
             skipped: bool = False) -> None:
-        """One step; ``loss`` is None off the last pipeline stage. A skipped (non-finite) step
+        """One step; ``loss`` may be None (no rank reported one). A skipped (non-finite) step
         is counted, its loss is left out of the mean."""
         self.seconds += seconds
         self.tokens += tokens

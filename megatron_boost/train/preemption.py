@@ -1,4 +1,5 @@
-"""Pre-emption: SIGTERM / SIGUSR1 set a flag; at each step boundary all ranks agree on it.
+"""Pre-emption: SIGTERM / SIGUSR1 set a flag; each step's one all-reduce makes every rank agree on
+it, and the loop stops at that step's boundary.
 
 Under Slurm, torchrun handles the same signal (``PET_SIGNALS_TO_HANDLE`` in
 ``scripts/slurm/pretrain.sbatch``) and itself exits non-zero after its ranks have finished,
@@ -9,11 +10,8 @@ from __future__ import annotations
 
 import signal
 
-import torch
-import torch.distributed as dist
-
 __all__ = ["PREEMPT_EXIT_CODE", "install_signal_handlers", "restore_signal_handlers",
-           "preemption_agreed", "signal_name"]
+           "preemption_requested", "signal_name"]
 
 #: Exit status after a pre-emption signal was handled and the checkpoint is complete.
 PREEMPT_EXIT_CODE = 0
@@ -41,12 +39,10 @@ def restore_signal_handlers(previous: dict) -> None:
         signal.signal(sig, handler)
 
 
-def preemption_agreed(device) -> bool:
-    """Whether any rank has received a pre-emption signal (one all-reduce over the world)."""
-    flag = torch.tensor([0 if _received["signum"] is None else 1], dtype=torch.int32,
-                        device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def preemption_requested() -> bool:
+    """Whether this rank has received a pre-emption signal. The ranks agree on it through the
+    step's one all-reduce (``train/resilience.py``, :func:`agree_on_step`)."""
+    return _received["signum"] is not None
 
 
 def signal_name() -> str:

@@ -1,8 +1,9 @@
 """Faults during training: non-finite steps, unresponsive ranks, and the hooks that test them.
 
-* Non-finite steps: :func:`step_is_finite` is one all-reduce (MIN over the world) of "this
-  rank's loss and gradients are finite"; a step any rank flags is skipped by every rank (no
-  optimizer step: parameters, Adam moments and step counts are untouched). The iteration and
+* Non-finite steps: :func:`agree_on_step` is the step's one all-reduce over the world and its
+  one host read; it carries "this rank's loss and gradients are not finite", "this rank
+  received a pre-emption signal" and the loss, so a step any rank flags is skipped by every
+  rank (no optimizer step: parameters, Adam moments and step counts are untouched). The iteration and
   the data position still advance (the batch is consumed, the LR schedule is a function of
   the iteration). :class:`SkipBudget` stops the run at the ``training.max_skipped_steps``-th
   consecutive skip with :class:`TrainingDiverged`, naming the iteration.
@@ -26,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
-__all__ = ["TestHooks", "step_is_finite", "SkipBudget", "TrainingDiverged", "RankMonitor",
+__all__ = ["TestHooks", "StepAgreement", "agree_on_step", "SkipBudget", "TrainingDiverged", "RankMonitor",
            "RankTimeout", "process_group_timeout", "is_collective_failure"]
 
 ENV_NAN_AT = "MEGATRON_BOOST_TEST_NAN_AT"
@@ -116,19 +117,39 @@ class TestHooks:
 # ---------------------------------------------------------------------------------------------
 
 
-def step_is_finite(losses: List, ddp_chunks, device) -> bool:
-    """True when every rank's micro-batch losses and gradient buffers are finite: one flag
-    tensor, one all-reduce (MIN over the world), one host read."""
+@dataclass(frozen=True)
+class StepAgreement:
+    """What every rank agrees on after a step's forward and backward passes."""
+
+    finite: bool
+    """Every rank's losses (and gradients, where checked) are finite."""
+    preempt: bool
+    """Some rank received a pre-emption signal."""
+    loss: Optional[float]
+    """Mean loss over the global batch; None where no rank reported one."""
+
+
+def agree_on_step(losses: List, grad_buffers: List, preempt_requested: bool,
+                  loss_reporter: bool, device) -> StepAgreement:
+    """ONE all-reduce (SUM over the world) and ONE host read for the step: this rank's
+    non-finite flag (its micro-batch ``losses`` and ``grad_buffers``), its pre-emption flag,
+    and, where ``loss_reporter`` (one rank per data-parallel replica: last pipeline stage, TP
+    rank 0), its mean micro-batch loss with a count of one. Flags are small integers in fp32,
+    exact; the loss is the replicas' sum divided by their count."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.ones(1, dtype=torch.int32, device=device)
-    tensors = list(losses) + [buffer.grad_data for chunk in ddp_chunks
-                              for buffer in chunk.buffers + chunk.expert_parallel_buffers]
-    for t in tensors:
-        flag.mul_(torch.isfinite(t).all().to(device=device, dtype=torch.int32))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    nonfinite = torch.zeros((), dtype=torch.float32, device=device)
+    for t in list(losses) + list(grad_buffers):
+        nonfinite = torch.maximum(nonfinite, (~torch.isfinite(t).all()).to(nonfinite))
+    report = loss_reporter and len(losses) > 0
+    loss = torch.stack(list(losses)).float().mean().to(device) if report else nonfinite.new_zeros(())
+    flags = torch.stack([nonfinite, nonfinite.new_tensor(float(preempt_requested)), loss,
+                         nonfinite.new_tensor(float(report))])  # [4]
+    dist.all_reduce(flags)
+    bad, preempt, loss_sum, reporters = flags.tolist()
+    return StepAgreement(finite=bad == 0, preempt=preempt > 0,
+                         loss=loss_sum / reporters if reporters else None)
 
 
 class SkipBudget:

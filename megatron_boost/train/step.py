@@ -13,7 +13,6 @@ from functools import partial
 from typing import Callable, Iterator, List, Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -24,8 +23,9 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron_boost.compat import forward_backward_func
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.gpt import build_model, schedule_seq_length
-from megatron_boost.model.init import init_global_weights
+from megatron_boost.model.init import build_globally_initialised
 from megatron_boost.train.megatron_fixes import inner_torch_optimizers
+from megatron_boost.train.resilience import StepAgreement, agree_on_step
 
 __all__ = [
     "initialize_parallel", "build_ddp_model", "build_optimizer", "make_forward_step",
@@ -52,11 +52,12 @@ def build_ddp_model(config: BoostTransformerConfig, vocab_size: int, seq_length:
                     rotary_base: int = 10000,
                     pg_collection=None) -> List[DistributedDataParallel]:
     """Build this rank's model chunks, initialise them layout-independently from ``seed``
-    and wrap each in megatron's DDP (fp32 gradient buffers). Entry points call
-    ``train.build.build_run``, which passes the resolved run's values."""
-    chunks = build_model(config, vocab_size, seq_length, pg_collection=pg_collection,
-                         rotary_base=rotary_base)
-    init_global_weights(chunks, seed, config)
+    (each weight drawn once, docs/design.md §8) and wrap each in megatron's DDP (fp32
+    gradient buffers). Entry points call ``train.build.build_run``, which passes the resolved
+    run's values."""
+    chunks = build_globally_initialised(
+        lambda: build_model(config, vocab_size, seq_length, pg_collection=pg_collection,
+                            rotary_base=rotary_base), config, seed)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     if config.bf16:
@@ -147,40 +148,53 @@ def run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches: int
 _run_schedule = run_schedule  # this module's callers
 
 
-def _mean_loss(losses) -> Optional[float]:
-    """Mean micro-batch loss over this DP rank, averaged over DP; None off the last stage."""
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    local = torch.stack([l["lm loss"] for l in losses]).mean()
-    dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
-    return float(local) / parallel_state.get_data_parallel_world_size()
+def _grad_buffers(ddp_chunks) -> list:
+    return [buffer.grad_data for chunk in ddp_chunks
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+
+
+def _agree(losses, ddp_chunks, check_grads: bool, preempt_requested: bool) -> StepAgreement:
+    """The step's one all-reduce and host read (``agree_on_step``): finiteness, pre-emption and
+    the mean loss over the global batch, reported by one rank per data-parallel replica."""
+    reporter = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_context_parallel_rank() == 0)
+    device = next(ddp_chunks[0].parameters()).device
+    return agree_on_step([l["lm loss"] for l in losses],
+                         _grad_buffers(ddp_chunks) if check_grads else [], preempt_requested,
+                         reporter, device)
 
 
 def train_step(forward_step, data_iterators, ddp_chunks, optimizer, num_microbatches: int,
-               seq_length: int, micro_batch_size: int,
-               step_is_finite: Optional[Callable[[List[dict]], bool]] = None) -> dict:
+               seq_length: int, micro_batch_size: int, preempt_requested: bool = False) -> dict:
     """One optimizer step over ``num_microbatches`` micro-batches per DP rank.
 
-    Returns loss (mean over the global batch; None off the last pipeline stage), grad_norm and
-    skipped. ``step_is_finite(losses)`` (every rank calls it; it must agree across ranks)
-    returning False skips the optimizer step: parameters and optimizer state stay untouched.
-    The caller steps the learning-rate scheduler (before the step: iteration k runs at
-    scheduler step k)."""
+    Returns loss (mean over the global batch, on every rank), grad_norm, skipped and preempt.
+    Between the backward pass and the optimizer step ONE all-reduce over the world
+    (:func:`~megatron_boost.train.resilience.agree_on_step`) carries every rank's
+    non-finite flag (losses and gradient buffers), its pre-emption flag
+    (``preempt_requested``) and the loss, read once on the host: a step any rank flags as
+    non-finite is skipped by every rank (parameters and optimizer state stay untouched), and
+    ``preempt`` is True on every rank when any rank received a pre-emption signal. Besides it,
+    the optimizer's gradient norm is the step's only host read. The caller steps the
+    learning-rate scheduler (before the step: iteration k runs at scheduler step k)."""
     for m in ddp_chunks:
         m.zero_grad_buffer()
     optimizer.zero_grad()
     losses = _run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches,
                            seq_length, micro_batch_size, forward_only=False)
-    if step_is_finite is not None and not step_is_finite(losses):
-        return {"loss": _mean_loss(losses), "grad_norm": None, "skipped": True}
-    _, grad_norm, _ = optimizer.step()
-    return {"loss": _mean_loss(losses), "skipped": False,
-            "grad_norm": None if grad_norm is None else float(grad_norm)}
+    agreed = _agree(losses, ddp_chunks, check_grads=True, preempt_requested=preempt_requested)
+    out = {"loss": agreed.loss, "preempt": agreed.preempt, "skipped": not agreed.finite,
+           "grad_norm": None}
+    if agreed.finite:
+        _, grad_norm, _ = optimizer.step()
+        out["grad_norm"] = None if grad_norm is None else float(grad_norm)
+    return out
 
 
 def eval_step(forward_step, data_iterators, ddp_chunks, num_microbatches: int,
               seq_length: int, micro_batch_size: int) -> Optional[float]:
-    """Forward-only pass; mean loss over the global batch (None off the last stage)."""
+    """Forward-only pass; mean loss over the global batch, on every rank."""
     for m in ddp_chunks:
         m.eval()
     try:
@@ -190,4 +204,4 @@ def eval_step(forward_step, data_iterators, ddp_chunks, num_microbatches: int,
     finally:
         for m in ddp_chunks:
             m.train()
-    return _mean_loss(losses)
+    return _agree(losses, ddp_chunks, check_grads=False, preempt_requested=False).loss

@@ -23,6 +23,7 @@ N`` and exit with status 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -39,9 +40,11 @@ from megatron.core.num_microbatches_calculator import (
     get_num_microbatches,
     init_num_microbatches_calculator,
 )
+from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_boost.analysis.collectives import record_collectives
+from megatron_boost.analysis.comm import StepCommShape, step_comm_bytes
 from megatron_boost.analysis.flops import flops_per_token, peak_tflops
+from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.config.resolved import resolve_run
 from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
@@ -57,7 +60,7 @@ from megatron_boost.train.checkpointing import (
     load_weights,
     verify_checkpoint,
 )
-from megatron_boost.train.distributed import broadcast_from_last_stage, init_distributed, print0
+from megatron_boost.train.distributed import init_distributed, print0
 from megatron_boost.train.metrics import (
     LogWindow,
     MetricsWriter,
@@ -72,13 +75,12 @@ from megatron_boost.train.resilience import (
     TestHooks,
     is_collective_failure,
     process_group_timeout,
-    step_is_finite,
 )
 from megatron_boost.train.preemption import (
     PREEMPT_EXIT_CODE,
     install_signal_handlers,
     restore_signal_handlers,
-    preemption_agreed,
+    preemption_requested,
     signal_name,
 )
 from megatron_boost.train.sampler import make_data_iterator
@@ -138,6 +140,7 @@ class Trainer:
                                                vocab_size=self.padded_vocab)
         self.peak = peak_tflops(cfg.logging.peak_tflops, device)
         self.window = LogWindow()
+        self.step_comm_bytes = self._step_comm_bytes()
         self.last_validation = None  # (iteration, val_loss, val_ppl)
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -271,10 +274,7 @@ class Trainer:
                    f"{self.train_iters} training iterations")
         try:
             while self.state.iteration < self.train_iters:
-                out = self.train_step()
-                self.training_log(out)
-                self.skips.record(out["skipped"], self.state.iteration)
-                if self.checkpoint_and_decide_exit():
+                if self.iteration():
                     return PREEMPT_EXIT_CODE
             if self.state.iteration > start and self.last_saved != self.state.iteration:
                 self.save()
@@ -288,21 +288,38 @@ class Trainer:
         self.print_summary()
         return 0
 
+    def iteration(self) -> bool:
+        """One iteration of the loop: train step, training log, checkpoint and exit decision.
+        Returns True when the loop must stop for a pre-emption signal."""
+        out = self.train_step()
+        self.training_log(out)
+        self.skips.record(out["skipped"], self.state.iteration)
+        return self.checkpoint_and_decide_exit(out["preempt"])
+
     def train_step(self) -> dict:
-        """One optimizer step; returns loss, grad_norm, lr and tp_comm_bytes of the step."""
+        """One optimizer step; returns loss, grad_norm, skipped, preempt, lr and
+        tp_comm_bytes (the formula's bytes of the step; ``tp_comm_bytes_measured`` too where
+        ``logging.measure_comm`` measured it).
+
+        Nothing here waits for the device but the step's one agreement read and the
+        optimizer's gradient norm (``train/step.py``), except at log iterations, which
+        synchronise so that the log window's time is complete. A non-log step's remaining
+        device work is waited for, and timed, by the next step's reads."""
         t, it = self.cfg.training, self.state.iteration + 1
         self.writer.poll()  # commit a finished background save
         self.hooks.maybe_hang(it, dist.get_rank())
         self.scheduler.step(1)  # iteration k runs at scheduler step k
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self._synchronize()
+        logged = self._logs_at(it)
+        measure = logged and self.cfg.logging.measure_comm
         t0 = time.perf_counter()
-        with record_collectives(ps.get_tensor_model_parallel_group()) as comm_log:
+        with self._comm_measurement(measure) as comm_log:
             out = step.train_step(self.train_forward_step, self.train_iterators, self.model,
                                   self.optimizer, self.num_microbatches,
                                   self.cfg.model.seq_length, t.micro_batch_size,
-                                  step_is_finite=self._step_is_finite)
-        self._synchronize()
+                                  preempt_requested=preemption_requested())
+        if logged:
+            self._synchronize()
         self.window.add(out["loss"], time.perf_counter() - t0,
                         t.global_batch_size * self.cfg.model.seq_length, out["skipped"])
         self.state.advance(t.global_batch_size)
@@ -310,23 +327,61 @@ class Trainer:
             print0(f"iteration {it}: loss or gradients not finite on some rank; step skipped "
                    f"(parameters and optimizer state unchanged; {self.skips.consecutive + 1} "
                    f"consecutive, training.max_skipped_steps={self.skips.limit})")
-        return {**out, "lr": lr, "tp_comm_bytes": comm_log.bytes()}
+        out.update(lr=lr, tp_comm_bytes=self.step_comm_bytes)
+        if measure:
+            out["tp_comm_bytes_measured"] = comm_log.bytes()
+        return out
 
-    def _step_is_finite(self, losses) -> bool:
-        return step_is_finite([l["lm loss"] for l in losses], self.model, self.dev)
+    def _comm_measurement(self, measure: bool):
+        """``record_collectives`` on the TP group where ``measure``, else nothing: its
+        process-wide wrappers (docs/design.md §5) never run during an ordinary step."""
+        if not measure:
+            return contextlib.nullcontext()
+        from megatron_boost.analysis.collectives import record_collectives
+
+        return record_collectives(ps.get_tensor_model_parallel_group())
+
+    def _step_comm_bytes(self) -> int:
+        """Bytes this rank hands to TP collectives per training step, from the formula
+        (``analysis/comm.py``, docs/design.md §5)."""
+        chunks = [c.module for c in self.model]  # each a model, or its Float16Module
+
+        def has(stage_end: str) -> bool:  # "pre_process" or "post_process"
+            return any(get_attr_wrapped_model(c, stage_end) for c in chunks)
+
+        layers = sum(len(get_attr_wrapped_model(c, "decoder").layers) for c in chunks)
+        dtype = self.run.precision  # "fp32" or "bf16"
+        comm = step_comm_bytes(
+            ModelShape.from_config(self.cfg), self.cfg.parallel.mode, dtype,
+            StepCommShape(tp=self.cfg.parallel.tp,
+                          tokens_per_microbatch=(self.cfg.training.micro_batch_size
+                                                 * self.cfg.model.seq_length),
+                          num_microbatches=self.num_microbatches, local_layers=layers,
+                          has_embedding=has("pre_process"), has_head=has("post_process"),
+                          full_recompute=self.cfg.training.recompute == "full"))
+        return comm["fwd"] + comm["bwd"]
 
     def _synchronize(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
+    def _logs_at(self, it: int) -> bool:
+        """Whether iteration ``it`` writes a training log record (log or evaluation)."""
+        return any(self._log_and_eval_at(it))
+
+    def _log_and_eval_at(self, it: int):
+        """(log, evaluate) at iteration ``it``."""
+        last = it == self.train_iters
+        eval_interval = self.cfg.training.eval_interval
+        do_log = it % self.cfg.logging.log_interval == 0 or last
+        do_eval = self.eval_iters > 0 and bool(
+            (eval_interval and it % eval_interval == 0) or last)
+        return do_log, do_eval
+
     def training_log(self, out: dict) -> None:
         """At log and evaluation iterations: one console line and one metrics record over
         the window since the last one (evaluation adds a validation line)."""
-        it, last = self.state.iteration, self.state.iteration == self.train_iters
-        eval_interval = self.cfg.training.eval_interval
-        do_log = it % self.cfg.logging.log_interval == 0 or last
-        do_eval = self.eval_iters > 0 and (
-            (eval_interval and it % eval_interval == 0) or last)
+        do_log, do_eval = self._log_and_eval_at(self.state.iteration)
         if not (do_log or do_eval):
             return
         record = self._metrics_record(out)
@@ -343,10 +398,12 @@ class Trainer:
         return {
             "iteration": self.state.iteration,
             "tokens": self.state.consumed_samples * self.cfg.model.seq_length,
-            "loss": broadcast_from_last_stage(self.window.mean_loss(), self.dev),
+            "loss": self.window.mean_loss(),  # every rank has it (train/step.py)
             "lr": out["lr"], "grad_norm": out["grad_norm"], "tokens_per_s": tokens_per_s,
             "tflops": tflops, "mfu": (tflops / self.peak) if self.peak else None,
             "tp_comm_bytes": out["tp_comm_bytes"],
+            **({"tp_comm_bytes_measured": out["tp_comm_bytes_measured"]}
+               if "tp_comm_bytes_measured" in out else {}),
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "step_time_s": self.window.step_time_s(),
             "skipped_steps": self.window.skipped,
@@ -367,16 +424,15 @@ class Trainer:
         losses = [step.eval_step(self.forward_step, iterators, self.model,
                                  self.num_microbatches, seq, t.micro_batch_size)
                   for _ in range(self.eval_iters)]
-        local = None if losses[0] is None else sum(losses) / len(losses)
-        return broadcast_from_last_stage(local, self.dev)
+        return sum(losses) / len(losses)  # each is on every rank (train/step.py)
 
-    def checkpoint_and_decide_exit(self) -> bool:
-        """Save at the save interval; on an agreed pre-emption signal save (once) and ask the
-        loop to stop."""
+    def checkpoint_and_decide_exit(self, preempt: bool) -> bool:
+        """Save at the save interval; on a pre-emption signal the ranks agreed on in this
+        step (``preempt``) save (once) and ask the loop to stop."""
         it, interval = self.state.iteration, self.cfg.checkpoint.save_interval
         if interval and it % interval == 0:
             self.save()
-        if it >= self.train_iters or not preemption_agreed(self.dev):
+        if it >= self.train_iters or not preempt:
             return False
         if self.last_saved != it:
             self.save()

@@ -1,0 +1,97 @@
+"""Weights are drawn once: megatron's per-layer init is off where the layout-independent init
+(docs/design.md §8) overwrites every parameter, and nothing is left uninitialised.
+
+For each mode at TP=2 (two gloo ranks), the model built the way the trainer builds it
+(``build_globally_initialised``: megatron's ``perform_initialization`` off, then
+``init_global_weights``) must equal, bitwise, the model built with megatron's init on and then
+overwritten by ``init_global_weights``. A parameter the global init missed would keep
+uninitialised memory on one side and megatron's draw on the other. megatron sets the TP
+attributes of its layers' weights only in its init functions; they must be the same on both
+sides too (else the gradient norm counts those weights on one TP rank). A parameter without a
+global checkpoint key is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_boost.runtime.spawn import run_distributed
+
+MODES = ("full", "naive", "boost")
+SEED = 7
+
+
+class _Unkeyed(torch.nn.Module):
+    """A submodule whose parameter has no entry in sharded_state_dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(3))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return {}
+
+
+def _models(mode):
+    from megatron_boost.config.run import load_run_config, to_transformer_config
+    from megatron_boost.model.gpt import build_model, padded_vocab_size
+    from megatron_boost.model.init import build_globally_initialised, init_global_weights
+
+    cfg = load_run_config("configs/debug.yaml", [f"parallel.mode={mode}", "parallel.tp=2"])
+    vocab = padded_vocab_size(cfg.model.vocab_size, 2)
+    config = to_transformer_config(cfg)
+    assert config.perform_initialization  # the reference path draws megatron's init first
+    reference = build_model(config, vocab, cfg.model.seq_length)
+    init_global_weights(reference, SEED, config)
+    once = build_globally_initialised(
+        lambda: build_model(config, vocab, cfg.model.seq_length), config, SEED)
+    assert config.perform_initialization  # restored after the build
+    return reference, once
+
+
+def _tp_attributes(param):
+    """megatron's TP attributes: the gradient norm counts a parameter without
+    ``tensor_model_parallel`` on TP rank 0 only."""
+    return tuple(getattr(param, a, None) for a in ("tensor_model_parallel", "partition_dim"))
+
+
+def _worker(rank, world):
+    from megatron_boost.model.init import init_global_weights
+    from megatron_boost.train.step import initialize_parallel
+
+    initialize_parallel(2, 1, None, seed=SEED)
+    out = {}
+    for mode in MODES:
+        reference, once = _models(mode)
+        ref = dict(reference[0].named_parameters())
+        got = dict(once[0].named_parameters())
+        assert ref.keys() == got.keys()
+        out[mode] = {"n": len(ref), "differ": [k for k in ref if not torch.equal(ref[k], got[k])],
+                     "attributes_differ": [k for k in ref if _tp_attributes(ref[k])
+                                           != _tp_attributes(got[k])]}
+    # a parameter with no global checkpoint key cannot be initialised: refused by name
+    once[0].unkeyed = _Unkeyed()
+    try:
+        init_global_weights(once, SEED, once[0].config)
+        out["unkeyed"] = None
+    except RuntimeError as err:
+        out["unkeyed"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_worker, 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_drawn_once_equal_megatron_init_then_global_init(results, mode):
+    for r in results:
+        assert r[mode]["n"] > 0 and r[mode]["differ"] == [], r[mode]
+        assert r[mode]["attributes_differ"] == [], r[mode]
+
+
+def test_parameter_without_global_key_is_refused(results):
+    for r in results:
+        assert r["unkeyed"] is not None and "unkeyed" in r["unkeyed"], r["unkeyed"]

@@ -1,0 +1,64 @@
+"""Print how long building and initialising a model takes, the way the trainer does it.
+
+Runs ``train.step.build_ddp_model`` (model chunks, weight initialisation, DDP wrap) in a world
+of one on the CPU for a run config (default ``configs/cola-1b.yaml`` at TP = 1) and prints the
+wall time and this process's CPU time of that call, best of ``--repeats`` (on a shared machine
+the CPU time is the steadier figure). A figure to compare before and after a change to
+the initialisation path, never an assertion.
+
+    python tools/init_time.py [--config configs/cola-1b.yaml] [--repeats 1] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/cola-1b.yaml")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from megatron_boost.config.run import load_run_config, to_transformer_config
+    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.runtime.cpu_mode import use_cpu
+    from megatron_boost.train import step
+    from megatron_boost.train.distributed import init_world_of_one, shutdown
+
+    torch.set_num_threads(args.threads)
+    use_cpu(force=True)
+    init_world_of_one()
+    try:
+        cfg = load_run_config(args.config, ["parallel.tp=1", "parallel.pp=1", *args.overrides])
+        step.initialize_parallel(1, 1, None, cfg.training.seed)
+        dtype = torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32
+        vocab = padded_vocab_size(cfg.model.vocab_size, 1)
+        times, cpu = [], []
+        for _ in range(args.repeats):
+            config = to_transformer_config(cfg, dtype)
+            t0, c0 = time.perf_counter(), time.process_time()
+            ddp = step.build_ddp_model(config, vocab, cfg.model.seq_length, cfg.training.seed,
+                                       rotary_base=cfg.model.rotary_base)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+            n = sum(p.numel() for m in ddp for p in m.module.parameters())
+            del ddp
+            gc.collect()
+        print(f"{args.config} mode={cfg.parallel.mode} params={n / 1e6:.1f}M dtype={dtype} "
+              f"threads={args.threads}: build_ddp_model wall {min(times):.2f}s, CPU "
+              f"{min(cpu):.2f}s (best of {len(times)}; wall "
+              f"{', '.join(f'{t:.2f}' for t in times)}; CPU {', '.join(f'{t:.2f}' for t in cpu)})")
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
