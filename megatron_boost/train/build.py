@@ -56,13 +56,21 @@ class BuiltRun:
 
 def build_scheduler(optimizer, run: ResolvedRun) -> OptimizerParamScheduler:
     """Linear warmup then cosine decay to ``optimizer.min_lr``; on resume the configuration
-    wins for every schedule parameter (``override_opt_param_scheduler``)."""
-    cfg, o = run.cfg, run.cfg.optimizer
+    wins for every schedule parameter (``override_opt_param_scheduler``). A run without a
+    training budget (the tools that take a few steps: benchmark, equivalence harness, GPU
+    check, conversion) has no horizon to decay over, so its learning rate stays constant
+    after the warmup."""
+    cfg, o, t = run.cfg, run.cfg.optimizer, run.cfg.training
+    has_length = (o.lr_decay_iters is not None or t.train_iters is not None
+                  or t.train_tokens is not None)
+    decay_steps = lr_decay_iterations(cfg) if has_length else o.warmup_iters + 1
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=o.warmup_iters, lr_decay_steps=lr_decay_iterations(cfg),
-        lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=max(train_iterations(cfg), 1), wd_incr_style="constant",
+        lr_warmup_steps=o.warmup_iters, lr_decay_steps=decay_steps,
+        lr_decay_style="cosine" if has_length else "constant", start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(train_iterations(cfg), 1) if has_length else 1,
+        wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
 
 
