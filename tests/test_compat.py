@@ -204,6 +204,25 @@ def test_loading_rejects_any_other_missing_key():
         load_model_state(model, state)
 
 
+def test_loading_through_megatrons_bf16_wrapper_checks_the_keys():
+    """A bf16 chunk is megatron's Float16Module, whose load_state_dict delegates and returns
+    nothing: the keys are checked on the module it wraps."""
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_boost.train.checkpointing import load_model_state
+
+    model = _model()
+    wrapped = Float16Module.__new__(Float16Module)  # only the wrapping matters here
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module = model
+    state = _saved_state(model)
+    load_model_state(wrapped, state)
+    assert torch.equal(model[0].weight, torch.full((2,), 3.0))
+    del state["1.weight"]
+    with pytest.raises(RuntimeError, match=r"missing keys \['1\.weight'\]"):
+        load_model_state(wrapped, state)
+
+
 def test_loading_rejects_an_unexpected_key():
     from megatron_boost.train.checkpointing import load_model_state
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.transformer.module import Float16Module
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_boost.compat import load_sharded
@@ -196,6 +197,8 @@ def load_model_state(module: torch.nn.Module, state_dict: dict) -> None:
     """``module.load_state_dict`` that accepts exactly the missing ``*._extra_state`` keys of
     Transformer Engine modules, as megatron's own loader does, and raises ``RuntimeError``
     on any other missing or on any unexpected key."""
+    if isinstance(module, Float16Module):  # its load_state_dict delegates and returns None
+        module = module.module
     result = module.load_state_dict(state_dict, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith(_UNSAVED_SUFFIX)]
     if missing or result.unexpected_keys:
