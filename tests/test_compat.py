@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = [pytest.mark.fast, pytest.mark.compat]  # the tiers: docs/testing.md
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
