@@ -34,13 +34,15 @@ class _Unkeyed(torch.nn.Module):
 
 
 def _models(mode):
-    from megatron_boost.config.run import load_run_config, to_transformer_config
-    from megatron_boost.model.gpt import build_model, padded_vocab_size
+    from megatron_boost.config.resolved import resolve_run, to_transformer_config
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.model.gpt import build_model
     from megatron_boost.model.init import build_globally_initialised, init_global_weights
 
     cfg = load_run_config("configs/debug.yaml", [f"parallel.mode={mode}", "parallel.tp=2"])
-    vocab = padded_vocab_size(cfg.model.vocab_size, 2)
-    config = to_transformer_config(cfg)
+    run = resolve_run(cfg, "cpu", vocab_size=cfg.model.vocab_size)
+    vocab = run.padded_vocab_size
+    config = to_transformer_config(run)
     assert config.perform_initialization  # the reference path draws megatron's init first
     reference = build_model(config, vocab, cfg.model.seq_length)
     init_global_weights(reference, SEED, config)

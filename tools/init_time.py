@@ -26,8 +26,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megatron_boost.config.run import load_run_config, to_transformer_config
-    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.config.resolved import resolve_run, to_transformer_config
+    from megatron_boost.config.run import load_run_config
     from megatron_boost.runtime.cpu_mode import use_cpu
     from megatron_boost.train import step
     from megatron_boost.train.distributed import init_world_of_one, shutdown
@@ -38,11 +38,12 @@ def main(argv=None) -> int:
     try:
         cfg = load_run_config(args.config, ["parallel.tp=1", "parallel.pp=1", *args.overrides])
         step.initialize_parallel(1, 1, None, cfg.training.seed)
-        dtype = torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32
-        vocab = padded_vocab_size(cfg.model.vocab_size, 1)
+        precision = "bf16" if cfg.training.precision == "bf16" else "fp32"
+        run = resolve_run(cfg, "cpu", vocab_size=cfg.model.vocab_size).with_precision(precision)
+        dtype, vocab = run.params_dtype, run.padded_vocab_size
         times, cpu = [], []
         for _ in range(args.repeats):
-            config = to_transformer_config(cfg, dtype)
+            config = to_transformer_config(run)
             t0, c0 = time.perf_counter(), time.process_time()
             ddp = step.build_ddp_model(config, vocab, cfg.model.seq_length, cfg.training.seed,
                                        rotary_base=cfg.model.rotary_base)

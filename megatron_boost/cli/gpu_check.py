@@ -556,7 +556,7 @@ def _throughput_case(plan: Plan, mode: str) -> None:
 
     from megatron_boost.analysis.flops import flops_per_token, peak_tflops
     from megatron_boost.config.validation import train_iterations
-    from megatron_boost.model.gpt import padded_vocab_size
+    from megatron_boost.config.resolved import padded_vocab_size
 
     cfg = _load("configs/cola-350m.yaml", [*plan.throughput_overrides, f"parallel.mode={mode}"],
                 plan.device)

@@ -131,7 +131,7 @@ class BottleneckGPTModel(GPTModel):
 
     Args:
         config: the model config; ``config.tp_mode`` selects the mode.
-        vocab_size: padded vocabulary size (see :func:`padded_vocab_size`).
+        vocab_size: padded vocabulary size (``config.resolved.padded_vocab_size``).
         max_sequence_length: the longest sequence (RoPE table size).
         pg_collection: megatron's process groups for this rank (``.tp`` is the real TP group).
     """
