@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_boost.analysis.flops import attention_core_flops, forward_flops_per_token
+from megatron_boost.analysis.flops import (MODEL_FLOPS_CAUSAL, attention_core_flops,
+                                          forward_flops_per_token)
 from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.cli import gpu_check
 from megatron_boost.cli.gpu_check import (
@@ -57,7 +58,7 @@ def test_gemm_list_carries_the_analytic_projection_flops():
         assert gemm_flops == projection_training_flops(local, mode, tokens)
         one_layer = dataclasses.replace(local, num_layers=1)
         per_token = forward_flops_per_token(one_layer, mode, vocab_size=0, seq_length=2048) \
-            - attention_core_flops(2048, local.heads, local.e)
+            - attention_core_flops(2048, local.heads, local.e, causal=MODEL_FLOPS_CAUSAL)
         assert gemm_flops == pytest.approx(3 * tokens * per_token, rel=1e-12)
 
 

@@ -243,6 +243,9 @@ def _build_trainable(cfg, precision: str, device: str,
     from megatron_boost.data.synthetic import synthetic_microbatches
     from megatron_boost.train.build import build_run
 
+    # A constant learning rate from the first step (no warmup), as the benchmark uses: the
+    # check takes a few steps and reads whether the loss falls.
+    cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, warmup_iters=0))
     run = resolve_run(cfg, device, vocab_size=cfg.model.vocab_size).with_precision(precision)
     built = build_run(run)
     t = cfg.training
@@ -354,7 +357,7 @@ def stage_environment(plan: Plan, work: Path) -> None:
 
     import torch
 
-    from megatron_boost.runtime.backends import attention_backend_for_run
+    from megatron_boost.config.resolved import resolve_run
 
     _setup(plan)
     device, cuda = _device_text(plan.device)
@@ -364,8 +367,9 @@ def stage_environment(plan: Plan, work: Path) -> None:
                         f"megatron-core {_version('megatron.core', 'megatron-core')} | "
                         f"transformer-engine {te} | apex {_version('apex', 'apex')} | {cuda}")
     info(0, "optimizer (bf16)", _optimizer_text(plan.device))
-    backend, why = attention_backend_for_run(_load("configs/debug.yaml", [], plan.device))
-    info(0, "attention backend (auto)", f"{backend} ({why})")
+    debug = _load("configs/debug.yaml", [], plan.device)
+    run = resolve_run(debug, plan.device, vocab_size=debug.model.vocab_size)
+    info(0, "attention backend (auto)", f"{run.attention_backend} ({run.attention_reason})")
     te_why = te_unavailable_reason(plan.device)
     info(0, "transformer engine", "imports" if te_why is None else f"unavailable: {te_why}")
     conns = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
@@ -513,7 +517,7 @@ def stage_equivalence(plan: Plan, work: Path) -> None:
 
 
 def stage_host_syncs(plan: Plan, work: Path) -> None:
-    from megatron_boost.runtime.host_sync import HostSyncCounter
+    from megatron_boost.testing.host_sync import HostSyncCounter
 
     _setup(plan)
     counts, sizes = {}, {}
