@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Re-measure the figures the documentation shows, write them under docs/results/, and refresh
+# the generated blocks of README.md and docs/*.md (scripts/render_docs.py).
+#   scripts/regenerate_results.sh                 # everything (about 10 minutes on 2 CPU cores)
+#   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision
+# The CPU benchmark measures ratios side by side in one sitting; run it on a quiet machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck disable=SC1091
+. "${VENV:-.venv}/bin/activate"
+out=docs/results
+mkdir -p "$out"
+what=${*:-bench comm perf precision}
+
+for item in $what; do
+  case "$item" in
+    bench)
+      # Without recompute: full, naive, boost at TP=2 and the single-process row.
+      python tools/benchmark.py --config configs/bench-cpu.yaml --tp 2 --modes full,naive,boost \
+        --single --steps 10 --warmup 2 --json "$out/bench-cpu-tp2.json" --png docs/bench-cpu-tp2.png
+      # Right after, the bottleneck modes with low-rank activation checkpointing.
+      python tools/benchmark.py --config configs/bench-cpu.yaml --tp 2 --modes naive,boost \
+        --recompute lowrank --steps 6 --warmup 2 --json "$out/bench-cpu-tp2-lowrank.json"
+      # The same modes again without recompute, for a back-to-back overhead comparison.
+      python tools/benchmark.py --config configs/bench-cpu.yaml --tp 2 --modes naive,boost \
+        --steps 6 --warmup 2 --json "$out/bench-cpu-tp2-norecompute.json" ;;
+    comm)
+      python tools/comm_volume.py --config configs/cola-7b.yaml --micro-batch-size 4 \
+        --seq-length 4096 --dtype bf16 > "$out/comm-volume-cola-7b.txt" ;;
+    perf)
+      python tools/perf_model.py --compare-published > "$out/perf-model-published.txt" ;;
+    precision)
+      python tools/precision_check.py --config configs/debug.yaml --tp 2 \
+        > "$out/precision-debug-tp2.txt" ;;
+    *) echo "error: unknown item '$item' (known: bench comm perf precision)" >&2; exit 2 ;;
+  esac
+done
+python scripts/render_docs.py

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Refresh the generated blocks of README.md and docs/*.md from committed result files.
+
+Every figure the documentation shows comes from a file under ``docs/results/`` that a stated
+command writes (``scripts/regenerate_results.sh`` runs them all). A generated block looks like
+
+    <!-- generated: include docs/results/comm-volume-cola-7b.txt -->
+    ...                        (replaced by this script)
+    <!-- end generated -->
+
+Kinds of block:
+
+* ``include PATH``: the file's text in a fenced ``text`` block;
+* ``bench PATH [PATH ...]``: a Markdown table of CPU-benchmark JSON files written by
+  ``tools/benchmark.py --json`` (step time, tokens/s, TP traffic, saved activations per row;
+  then the speed ratios of each file, and the low-rank recompute overhead when a file was
+  measured with ``--recompute lowrank`` beside one without).
+
+    python scripts/render_docs.py            # rewrite the blocks in place
+    python scripts/render_docs.py --check    # exit 1, naming each stale block, if any differs
+
+``tests/test_docs.py`` runs ``--check``, so a figure cannot drift from its file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = re.compile(r"(<!-- generated: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)",
+                   re.S)
+MIB = 1024 * 1024
+
+
+def documents(root: Path) -> List[Path]:
+    """README.md and every Markdown file under docs/."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def _include(root: Path, path: str) -> str:
+    text = (root / path).read_text().rstrip("\n")
+    return f"```text\n{text}\n```\n"
+
+
+def _bench_rows(report: dict) -> List[str]:
+    rows = []
+    for label, row in report["modes"].items():
+        if row.get("step_time_median_s") is None:
+            continue
+        rows.append(f"| {label} | {report['recompute']} | {row['step_time_median_s']:.3f} | "
+                    f"{row['tokens_per_s']:,.0f} | {row['tp_comm_bytes_per_step'] / MIB:.1f} | "
+                    f"{row['saved_activation_bytes_per_microbatch'] / MIB:.1f} |")
+    return rows
+
+
+def _recompute_overhead(reports: List[dict]) -> List[str]:
+    """Step time and saved activations with ``--recompute lowrank`` against the same rows
+    measured without recompute (the first report whose recompute is ``none``)."""
+    base = next((r for r in reports if r["recompute"] == "none"), None)
+    lines = []
+    for rep in reports:
+        if rep["recompute"] != "lowrank" or base is None:
+            continue
+        for label, row in rep["modes"].items():
+            ref = base["modes"].get(label)
+            if ref is None or row.get("step_time_median_s") is None:
+                continue
+            time_ratio = row["step_time_median_s"] / ref["step_time_median_s"]
+            mem_ratio = (row["saved_activation_bytes_per_microbatch"]
+                         / ref["saved_activation_bytes_per_microbatch"])
+            lines.append(f"- {label} with low-rank recompute: step time {time_ratio:.2f}x "
+                         f"({(time_ratio - 1) * 100:+.0f}%), saved activations "
+                         f"{mem_ratio:.2f}x")
+    return lines
+
+
+def _bench(root: Path, *paths: str) -> str:
+    reports = [json.loads((root / p).read_text()) for p in paths]
+    out = ["| run | recompute | step s (median) | tokens/s | TP comm MiB/step | "
+           "saved act. MiB/micro-batch |", "|---|---|---|---|---|---|"]
+    for rep in reports:
+        out += _bench_rows(rep)
+    out.append("")
+    for path, rep in zip(paths, reports):
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in rep["ratios"].items() if v is not None)
+        if ratios:
+            out.append(f"- `{path}` ({rep['steps']} timed steps, recompute "
+                       f"{rep['recompute']}): {ratios}")
+    out += _recompute_overhead(reports)
+    return "\n".join(out) + "\n"
+
+
+RENDERERS = {"include": _include, "bench": _bench}
+
+
+def render_block(root: Path, spec: str) -> str:
+    kind, *args = spec.split()
+    if kind not in RENDERERS:
+        raise ValueError(f"unknown generated block kind {kind!r} (known: {sorted(RENDERERS)})")
+    return RENDERERS[kind](root, *args)
+
+
+def render(root: Path, text: str) -> str:
+    """``text`` with every generated block's body replaced by its rendering."""
+    return BLOCK.sub(lambda m: m.group(1) + render_block(root, m.group("spec"))
+                     + m.group(4), text)
+
+
+def stale_blocks(root: Path) -> Dict[str, List[str]]:
+    """{document: [spec of each block whose body differs from its rendering]}."""
+    stale = {}
+    for doc in documents(root):
+        if not doc.exists():
+            continue
+        for m in BLOCK.finditer(doc.read_text()):
+            if m.group("body") != render_block(root, m.group("spec")):
+                stale.setdefault(str(doc.relative_to(root)), []).append(m.group("spec"))
+    return stale
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="report stale blocks, change nothing")
+    parser.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if args.check:
+        stale = stale_blocks(root)
+        for doc, specs in stale.items():
+            for spec in specs:
+                print(f"error: {doc}: the block '{spec}' differs from its file; "
+                      f"run python scripts/render_docs.py", file=sys.stderr)
+        return 1 if stale else 0
+    for doc in documents(root):
+        if doc.exists():
+            text = doc.read_text()
+            new = render(root, text)
+            if new != text:
+                doc.write_text(new)
+                print(f"updated {doc.relative_to(root)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

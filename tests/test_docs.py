@@ -1,0 +1,62 @@
+"""The documentation's figures come from committed result files (scripts/render_docs.py)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.fast
+
+
+def _render_docs():
+    spec = importlib.util.spec_from_file_location("render_docs", ROOT / "scripts/render_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_blocks_match_their_files():
+    assert _render_docs().stale_blocks(ROOT) == {}
+
+
+def test_a_changed_figure_is_reported(tmp_path):
+    """Negative control: a block whose body no longer equals its file is found."""
+    rd = _render_docs()
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "x.txt").write_text("ratio 1.84x\n")
+    block = "<!-- generated: include docs/results/x.txt -->\n{}<!-- end generated -->\n"
+    (tmp_path / "README.md").write_text(block.format(rd.render_block(tmp_path,
+                                                                     "include docs/results/x.txt")))
+    assert rd.stale_blocks(tmp_path) == {}
+    (tmp_path / "README.md").write_text(block.format("```text\nratio 1.90x\n```\n"))
+    assert rd.stale_blocks(tmp_path) == {"README.md": ["include docs/results/x.txt"]}
+    assert rd.main(["--root", str(tmp_path)]) == 0  # rewriting restores the file's figure
+    assert "1.84x" in (tmp_path / "README.md").read_text()
+
+
+def test_every_result_file_has_a_command():
+    """Each file under docs/results/ is written by scripts/regenerate_results.sh."""
+    script = (ROOT / "scripts/regenerate_results.sh").read_text()
+    missing = [p.name for p in (ROOT / "docs/results").iterdir() if p.name not in script]
+    assert missing == []
+
+
+def test_bench_table_reads_the_json(tmp_path):
+    """The benchmark table shows the JSON's own numbers (median step, ratios, overhead)."""
+    rd = _render_docs()
+    row = {"step_time_median_s": 2.0, "tokens_per_s": 1024.0,
+           "tp_comm_bytes_per_step": 64 * 2**20, "saved_activation_bytes_per_microbatch": 2**20}
+    base = {"recompute": "none", "steps": 3, "modes": {"boost TP=2": row},
+            "ratios": {"boost/naive speed": 1.5}}
+    lowrank = {"recompute": "lowrank", "steps": 3,
+               "modes": {"boost TP=2": {**row, "step_time_median_s": 2.5,
+                                        "saved_activation_bytes_per_microbatch": 2**19}},
+               "ratios": {}}
+    (tmp_path / "a.json").write_text(json.dumps(base))
+    (tmp_path / "b.json").write_text(json.dumps(lowrank))
+    text = rd.render_block(tmp_path, "bench a.json b.json")
+    assert "| boost TP=2 | none | 2.000 | 1,024 | 64.0 | 1.0 |" in text
+    assert "boost/naive speed 1.50x" in text
+    assert "step time 1.25x (+25%), saved activations 0.50x" in text
