@@ -2,7 +2,9 @@
 # Re-measure the figures the documentation shows, write them under docs/results/, and refresh
 # the generated blocks of README.md and docs/*.md (scripts/render_docs.py).
 #   scripts/regenerate_results.sh                 # everything (about 10 minutes on 2 CPU cores)
-#   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision
+#   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision, demo
+# `demo` runs scripts/demo.sh (set-up included: run it in a fresh clone to time a new user's
+# first command) and keeps its key lines in docs/results/demo.txt.
 # The CPU benchmark measures ratios side by side in one sitting; run it on a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,10 +31,19 @@ for item in $what; do
         --seq-length 4096 --dtype bf16 > "$out/comm-volume-cola-7b.txt" ;;
     perf)
       python tools/perf_model.py --compare-published > "$out/perf-model-published.txt" ;;
+    demo)
+      scripts/demo.sh 2>&1 | tee /tmp/megatron-boost-demo.log
+      # The key lines: the run's banner and budget, the last training line, each validation,
+      # the summary, the sample, the export's check and the timing split.
+      log=/tmp/megatron-boost-demo.log
+      { grep -E '^megatron-boost:|^budget:' "$log"; grep -E '^iter ' "$log" | tail -1
+        grep -E 'validation @|^done:|^summary:' "$log"
+        sed -n '/sampling from the trained model/,/exporting it as/{/exporting it as/!p}' "$log"
+        grep -E '^verification:|done in [0-9]+s' "$log"; } > "$out/demo.txt" ;;
     precision)
       python tools/precision_check.py --config configs/debug.yaml --tp 2 \
         > "$out/precision-debug-tp2.txt" ;;
-    *) echo "error: unknown item '$item' (known: bench comm perf precision)" >&2; exit 2 ;;
+    *) echo "error: unknown item '$item' (known: bench comm perf precision demo)" >&2; exit 2 ;;
   esac
 done
 python scripts/render_docs.py

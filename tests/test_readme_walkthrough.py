@@ -1,5 +1,5 @@
-"""docs/own-corpus.md, run as written: every ```bash block marked ``<!-- tested -->`` is taken
-from the page, in order, and run as one script from the repository root on a small synthetic
+"""The README's own-corpus path, run as written: every ```bash block marked ``<!-- tested -->``
+is taken from README.md, in order, and run as one script from the repository root on a small synthetic
 corpus (the page's settings block reads CORPUS, WORK, VOCAB and ITERS from the environment).
 So the page cannot drift from the code: a renamed flag, a changed default or a broken step
 fails here. corpus → tokenizer → preprocess → config (--check) → train at TP=2 → resume →
@@ -21,7 +21,7 @@ import pytest
 from tests.test_data import make_play
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "own-corpus.md"
+DOC = REPO / "README.md"
 _BLOCK = re.compile(r"<!-- tested -->\s*\n```bash\n(.*?)\n```", re.S)
 
 
@@ -31,7 +31,7 @@ def doc_commands() -> list[str]:
 
 def test_the_page_has_its_steps():
     blocks = doc_commands()
-    assert len(blocks) == 9, "a tested block lost its marker or its ```bash fence"
+    assert len(blocks) == 8, "a tested block lost its marker or its ```bash fence"
     joined = "\n".join(blocks)
     for step in ("train_tokenizer.py", "preprocess_data.py", "--check", "torchrun",
                  "export_hf.py", "lm_eval", "import_hf.py", "imported/train.yaml"):
