@@ -60,8 +60,9 @@ def _bench_rows(report: dict) -> List[str]:
 
 def _recompute_overhead(reports: List[dict]) -> List[str]:
     """Step time and saved activations with ``--recompute lowrank`` against the same rows
-    measured without recompute (the first report whose recompute is ``none``)."""
-    base = next((r for r in reports if r["recompute"] == "none"), None)
+    measured without recompute (the last report whose recompute is ``none``: the one
+    measured right beside it)."""
+    base = next((r for r in reversed(reports) if r["recompute"] == "none"), None)
     lines = []
     for rep in reports:
         if rep["recompute"] != "lowrank" or base is None:
