@@ -20,7 +20,7 @@ import sys
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["environment_report", "main"]
+__all__ = ["environment_report", "package_version", "main"]
 
 #: (label, import name, distribution names to ask for the version).
 _OPTIONAL = [
@@ -40,7 +40,7 @@ def _dist_version(names: Sequence[str]) -> Optional[str]:
     return None
 
 
-def _optional_package(module: str, dists: Sequence[str]) -> str:
+def package_version(module: str, dists: Sequence[str]) -> str:
     """``<version>``, ``<version> (does not import: <why>)`` or ``not installed``."""
     version = _dist_version(dists)
     try:
@@ -107,7 +107,7 @@ def environment_report() -> Tuple[List[Tuple[str, str]], bool]:
     mcore_text, mcore_ok = _megatron_line()
     rows.append(("megatron-core", mcore_text))
     for label, module, dists in _OPTIONAL:
-        rows.append((label, _optional_package(module, dists)))
+        rows.append((label, package_version(module, dists)))
     device, why = _device()
     rows.append(("device (training.device: auto)", f"{device}: {why}"))
     from megatron_boost.runtime.backends import resolve_attention_backend, te_available

@@ -304,21 +304,6 @@ class DeviceTimer:
 # ---------------------------------------------------------------------------------------------
 
 
-def _version(module: str, *dists: str) -> str:
-    """The installed version: from the distribution's metadata (the first name found), else
-    the module's ``__version__`` (a source build has no metadata under the expected name)."""
-    import importlib
-    import importlib.metadata as md
-
-    for dist in dists:
-        with contextlib.suppress(md.PackageNotFoundError):
-            return md.version(dist)
-    try:
-        return str(getattr(importlib.import_module(module), "__version__", "version unknown"))
-    except Exception:  # not installed, or its CUDA libraries do not load
-        return "not installed"
-
-
 def _device_text(device: str) -> Tuple[str, str]:
     """(the device, its CUDA stack's versions)."""
     import torch
@@ -362,10 +347,13 @@ def stage_environment(plan: Plan, work: Path) -> None:
     _setup(plan)
     device, cuda = _device_text(plan.device)
     info(0, "device", device)
-    te = _version("transformer_engine", "transformer-engine", "transformer_engine")
+    from megatron_boost.cli.env import package_version
+
+    te = package_version("transformer_engine", ("transformer-engine", "transformer_engine"))
     info(0, "versions", f"python {platform.python_version()} | torch {torch.__version__} | "
-                        f"megatron-core {_version('megatron.core', 'megatron-core')} | "
-                        f"transformer-engine {te} | apex {_version('apex', 'apex')} | {cuda}")
+                        f"megatron-core {package_version('megatron.core', ('megatron-core',))} | "
+                        f"transformer-engine {te} | apex {package_version('apex', ('apex',))} | "
+                        f"{cuda}")
     info(0, "optimizer (bf16)", _optimizer_text(plan.device))
     debug = _load("configs/debug.yaml", [], plan.device)
     run = resolve_run(debug, plan.device, vocab_size=debug.model.vocab_size)
