@@ -38,4 +38,8 @@ if [ "$slurm_missing" = 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
 fi
 # shellcheck disable=SC1091
 . "${VENV:-.venv}/bin/activate"
+# The suite starts a few hundred Python processes: let the first compile the package's
+# bytecode for the others (an environment that sets PYTHONDONTWRITEBYTECODE would recompile
+# megatron_boost in every one of them).
+unset PYTHONDONTWRITEBYTECODE
 python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"

@@ -26,6 +26,7 @@ python -m megatron_boost  # the versions under test, in the CI log (exit 1 outsi
 # (tests/test_compat.py), layer and layout equivalence, the TP=2 resume with identical losses,
 # kill -> relaunch with synchronous and asynchronous saves, export -> HF logits and import.
 status=0
+unset PYTHONDONTWRITEBYTECODE  # compile the package once for the tier's many processes
 python -m pytest -q -p no:cacheprovider -m compat "$@" || status=$?
 if [ "$status" = 5 ]; then
   echo "test_compat.sh: error: pytest collected no tests (exit 5); the compatibility tier" \

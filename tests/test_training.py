@@ -1,8 +1,10 @@
 """End-to-end tests of the training loop (pretrain_lowrank.py / megatron_boost/train/trainer.py).
 
-Every run is a real subprocess (torchrun with 2 gloo ranks, or a plain single process) on
-configs/debug.yaml with mock data, fp32 on CPU, one thread per rank. Runs are shared between
-assertions through module-scoped fixtures to keep the file within a few minutes:
+Every run is the entry point's ``main(argv)`` on configs/debug.yaml with mock data, fp32 on CPU,
+one thread per rank, in rank processes that stay up between runs (tests/rank_pool.py: 2 gloo
+ranks with torchrun's environment, or one process without it); the launch itself is tested
+where it is the subject, here by (e), a real torchrun. Runs are shared between assertions
+through module-scoped fixtures:
 
 * ``base``: TP=2, distributed optimizer ON, 6 iterations, checkpoints at 3 and 6: (a) and the
   reference trajectory of (b) and (c).
@@ -28,6 +30,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.rank_pool import pool
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = str(ROOT / "pretrain_lowrank.py")
@@ -55,8 +59,10 @@ def _cmd(nproc: int, overrides, config: str = DEBUG):
 
 
 def run_training(nproc: int, overrides, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(_cmd(nproc, overrides), cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    """``pretrain_lowrank.py --config configs/debug.yaml <overrides>`` on ``nproc`` ranks of the
+    rank pool (tests/rank_pool.py), with the environment a launch of these tests gets."""
+    proc = pool().run(nproc, ["--config", DEBUG, *overrides], env=_env(), cwd=str(ROOT),
+                      timeout=TIMEOUT)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (exit {proc.returncode}):\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n"
