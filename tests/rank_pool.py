@@ -18,6 +18,7 @@ bad-input table's process cases start real processes.
 from __future__ import annotations
 
 import atexit
+import importlib
 import multiprocessing as mp
 import os
 import subprocess
@@ -26,6 +27,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from megatron_boost.runtime.spawn import free_port
+
+#: What a rank runs: the function ``pretrain_lowrank.py`` calls.
+ENTRY = "megatron_boost.cli.pretrain:main"
 
 #: torchrun's variables: set per run for a world of several ranks, never left behind.
 _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -41,18 +45,20 @@ def _serve(conn) -> None:
     import torch
 
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 does for the tests' torchrun launches
-    from megatron_boost.cli import pretrain
+    importlib.import_module(ENTRY.split(":")[0])  # the heavy imports, once
 
     while True:
         request = conn.recv()
         if request is None:
             return
-        env, argv, cwd, out_path, err_path = request
+        target, env, argv, cwd, out_path, err_path = request
+        module, name = target.split(":")
+        main = getattr(importlib.import_module(module), name)
         base_env, base_cwd = dict(os.environ), os.getcwd()
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-        code = _run_redirected(pretrain.main, argv, out_path, err_path, sys, io, traceback)
+        code = _run_redirected(main, argv, out_path, err_path, sys, io, traceback)
         leftover = _process_left_dirty()
         os.chdir(base_cwd)
         os.environ.clear()
@@ -134,7 +140,7 @@ class RankPool:
         self._workers = []
 
     def run(self, world: int, argv: List[str], env: Dict[str, str], cwd: str,
-            timeout: float) -> subprocess.CompletedProcess:
+            timeout: float, target: str = ENTRY) -> subprocess.CompletedProcess:
         """``main(argv)`` on ``world`` ranks in directory ``cwd`` with environment ``env`` (plus
         torchrun's variables
         when ``world`` > 1). Like a torchrun launch's result: the exit status is the first
@@ -152,7 +158,7 @@ class RankPool:
                     rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
                                     WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-                conn.send((rank_env, list(argv), str(cwd), str(out), str(err)))
+                conn.send((target, rank_env, list(argv), str(cwd), str(out), str(err)))
             results = []
             for rank, (proc, conn) in enumerate(self._workers[:world]):
                 if not conn.poll(timeout):

@@ -1,0 +1,65 @@
+"""The rank pool (tests/rank_pool.py) that the trainer tests run on: a run in it is the run a
+torchrun launch makes, and a run that leaves state behind in its processes fails."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.convert_fixtures import torchrun
+from tests.rank_pool import pool
+from tests.test_training import DEBUG, ROOT, _env, losses, metrics, run_training
+
+RUN = ["parallel.tp=2", "training.train_iters=3", "training.eval_interval=3",
+       "logging.log_interval=1", "checkpoint.save_interval=3"]
+
+
+def test_a_pool_run_is_the_run_torchrun_launches(tmp_path):
+    """The same configuration launched by torchrun and run in the pool: the same losses, grad
+    norms and learning rates, bit for bit (same code, same seeds, same arithmetic), and the
+    same console lines apart from the throughput columns."""
+    launched, pooled = tmp_path / "launched", tmp_path / "pooled"
+    out = torchrun(2, "pretrain_lowrank.py", ["--config", DEBUG, *RUN,
+                                              f"logging.run_dir={launched}"])
+    proc = run_training(2, RUN + [f"logging.run_dir={pooled}"])
+    assert losses(pooled) == losses(launched) and sorted(losses(pooled)) == [1, 2, 3]
+    for a, b in zip(metrics(launched), metrics(pooled)):
+        assert (a["grad_norm"], a["lr"]) == (b["grad_norm"], b["lr"])
+
+    def steady(text):  # the lines that do not depend on timing
+        return [line.split(" | tok")[0].split(" tok/s")[0] for line in text.splitlines()
+                if line.startswith(("iter ", "budget:", "  validation"))]
+    assert steady(proc.stdout) == [line.replace(str(launched), str(pooled))
+                                   for line in steady(out)]
+
+
+def leave_a_process_group(argv):
+    """A stand-in entry point that forgets to shut its process group down."""
+    import torch.distributed as dist
+
+    from megatron_boost.train.distributed import init_world_of_one
+
+    init_world_of_one()
+    return 0 if dist.is_initialized() else 1
+
+
+def test_a_run_that_leaves_a_process_group_fails(tmp_path):
+    with pytest.raises(AssertionError, match="left state behind: rank 0: a process group"):
+        pool().run(1, [], env=dict(os.environ), cwd=str(ROOT), timeout=120,
+                   target="tests.test_rank_pool:leave_a_process_group")
+    # the pool replaced that process: the next run works
+    run_training(1, ["training.train_iters=1", "optimizer.warmup_iters=0",
+                     "training.eval_iters=0", "checkpoint.save_interval=100",
+                     f"logging.run_dir={tmp_path}"])
+
+
+def test_a_failing_rank_gives_the_status_and_output_of_a_failed_launch(tmp_path):
+    """A ValueError before training: status 2 and the one error line, as from a process."""
+    proc = pool().run(2, ["--config", DEBUG, "parallel.tp=2", "model.hiden_size=3",
+                          f"logging.run_dir={tmp_path}"], env=_env(), cwd=str(ROOT),
+                      timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "hiden_size" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
