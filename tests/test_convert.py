@@ -466,8 +466,13 @@ def test_init_from_an_import_then_relaunch_resumes(tmp_path):
             into.append({k: v.detach().clone() for k, v in mb.global_weights(model).items()})
     for key, tensor in imported[0].items():
         assert torch.equal(trained[0][key], tensor), key
-    second = _launch(args[:2] + ["training.train_iters=" + str(saved + 2), *args[3:]], run_dir)
-    out, _ = second.communicate(timeout=300)
+    # the relaunch's subject is what it resumes, not being a process: the rank pool runs it
+    from tests.rank_pool import pool
+
+    second = pool().run(1, args[:2] + ["training.train_iters=" + str(saved + 2), *args[3:],
+                                       f"logging.run_dir={run_dir}"],
+                        env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(ROOT), timeout=300)
+    out = second.stdout + second.stderr
     assert second.returncode == 0, out[-3000:]
     assert f"resumed from {run_dir / 'checkpoints'}" in out and f"at iteration {saved} " in out, \
         out[-3000:]
