@@ -333,21 +333,24 @@ def test_benchmark_cli_end_to_end(tmp_path):
     assert "boost/naive speed" in r.stdout
 
 
-def test_benchmark_lowrank_recompute_passes_through(tmp_path):
+def test_benchmark_lowrank_recompute_passes_through(tmp_path, capsys):
     """--recompute lowrank is handed to the config as training.recompute=lowrank. The config
     accepts it for the bottleneck modes (BOOST's low-rank activation checkpointing) and rejects
     it for the full-rank model, which is then reported unavailable (and not run); boost must
-    really run with it."""
+    really run with it. The CLI's main(argv) in this process (its TP=2 workers are spawned
+    processes all the same): the command line as a process is the end-to-end test's subject."""
+    from megatron_boost.cli.benchmark import main
+
     out = tmp_path / "bench.json"
-    r = subprocess.run(
-        [sys.executable, "tools/benchmark.py", "--config", "configs/debug.yaml", "--tp", "2",
-         "--modes", "full,boost", "--steps", "1", "--warmup", "0", "--recompute", "lowrank",
-         "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
+    code = main(["--config", str(ROOT / "configs/debug.yaml"), "--tp", "2", "--modes",
+                 "full,boost", "--steps", "1", "--warmup", "0", "--recompute", "lowrank",
+                 "--json", str(out)])
+    r = capsys.readouterr()
+    assert code == 0, r.out + r.err
     rep = json.loads(out.read_text())
     assert rep["recompute"] == "lowrank"
     full, boost = rep["modes"]["full TP=2"], rep["modes"]["boost TP=2"]
-    assert full.get("unavailable") and "recompute=lowrank is unavailable" in r.stderr
+    assert full.get("unavailable") and "recompute=lowrank is unavailable" in r.err
     assert not boost.get("unavailable"), boost.get("unavailable")
     assert ROW_FIELDS <= set(boost), ROW_FIELDS - set(boost)
     assert len(boost["step_times_s"]) == 1 and boost["step_time_median_s"] > 0

@@ -23,8 +23,8 @@ The process runs as root here, so file permissions cannot make a path unwritable
 "not writable" cases use a path below a regular file and a path under ``/proc`` (where root
 cannot create directories either).
 
-The cases that load a checkpoint share one small trained checkpoint (configs/debug.yaml, two
-iterations, one process), copied and damaged per case. The subprocess cases run concurrently,
+The cases that load a checkpoint share one small trained checkpoint (configs/debug.yaml, three
+iterations, trained once in this process), copied and damaged per case. The subprocess cases run concurrently,
 a few at a time, beside the in-process ones.
 """
 
@@ -462,11 +462,14 @@ def shared_inputs(tmp_path_factory, request):
 
         random_llama(shared / "hf")
     if any(c.uses_checkpoint for c in _selected_cases(request)):
-        proc = subprocess.run(
-            [sys.executable, ENTRY, "--config", DEBUG, "training.train_iters=3",
-             "training.eval_interval=100", f"logging.run_dir={shared / 'trained'}"],
-            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        # In this process (pretrain's main shuts its process groups down and leaves CPU mode
+        # at its end): the checkpoint is an input here, not the subject, so no interpreter
+        # and imports of its own.
+        with _environment_of_a_fresh_launch():
+            proc = _call_main([sys.executable, ENTRY, "--config", DEBUG,
+                               "training.train_iters=3", "training.eval_interval=100",
+                               f"logging.run_dir={shared / 'trained'}"])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return shared
 
 

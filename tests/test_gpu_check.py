@@ -88,11 +88,41 @@ def test_bad_stage_selection_is_one_error_line(capsys):
     assert err.startswith("error: --stages '0,9' must be a comma-separated list")
 
 
-def _run(args, env_extra=None, timeout=1800):
+#: The script's two runs here: (arguments, extra environment) by the test that reads it.
+RUNS = {
+    "test_cpu_dry_run_every_stage_passes": (["--cpu"], {}),
+    "test_a_failing_and_a_hanging_stage_do_not_stop_the_next": (
+        ["--cpu", "--stages", "0,1,5", "--time-limit", "1=1"],
+        {FAIL_STAGE_ENV: "0", HANG_STAGE_ENV: "1"}),
+}
+
+
+def _start(args, work, env_extra):
     env = {k: v for k, v in os.environ.items() if k not in (FAIL_STAGE_ENV, HANG_STAGE_ENV)}
-    env.update(PYTHON=sys.executable, **(env_extra or {}))
-    return subprocess.run([SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    env.update(PYTHON=sys.executable, **env_extra)
+    return subprocess.Popen([SCRIPT, *args, "--workdir", str(work)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def script_runs(request, tmp_path_factory):
+    """The selected tests' runs of the script, started together: the check runs one stage at a
+    time on one thread, so the second run's stages use a core the first leaves idle. Each test
+    collects its own run (with a deadline); any still running at the end is killed."""
+    selected = {item.name for item in request.session.items}
+    procs = {name: _start(args, tmp_path_factory.mktemp("gpu_check"), env_extra)
+             for name, (args, env_extra) in RUNS.items() if name in selected}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+
+
+def _result(script_runs, name, timeout=1800):
+    out, err = script_runs[name].communicate(timeout=timeout)
+    return subprocess.CompletedProcess(script_runs[name].args, script_runs[name].returncode,
+                                       out, err)
 
 
 def _stage_rows(out: str, stage: int):
@@ -104,8 +134,8 @@ def _status(line: str) -> str:
     return line[len("[0] ") + 13 + 41:].split()[0]
 
 
-def test_cpu_dry_run_every_stage_passes(tmp_path):
-    proc = _run(["--cpu", "--workdir", str(tmp_path)])
+def test_cpu_dry_run_every_stage_passes(script_runs):
+    proc = _result(script_runs, "test_cpu_dry_run_every_stage_passes")
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
     for stage in STAGES:
@@ -125,16 +155,15 @@ def test_cpu_dry_run_every_stage_passes(tmp_path):
     assert "gpu_check: 8/8 stages ok" in out
 
 
-def test_a_failing_and_a_hanging_stage_do_not_stop_the_next(tmp_path):
-    proc = _run(["--cpu", "--stages", "0,1,5", "--time-limit", "1=3", "--workdir",
-                 str(tmp_path)], {FAIL_STAGE_ENV: "0", HANG_STAGE_ENV: "1"})
+def test_a_failing_and_a_hanging_stage_do_not_stop_the_next(script_runs):
+    proc = _result(script_runs, "test_a_failing_and_a_hanging_stage_do_not_stop_the_next")
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr[-3000:]
     fail, fail_stage = _stage_rows(out, 0)
     assert _status(fail) == "FAIL" and f"made to fail by {FAIL_STAGE_ENV}=0" in fail
     assert _status(fail_stage) == "FAIL"
     (hang,) = _stage_rows(out, 1)
-    assert _status(hang) == "TIMEOUT" and "killed after its limit of 3 s" in hang
+    assert _status(hang) == "TIMEOUT" and "killed after its limit of 1 s" in hang
     rows = _stage_rows(out, 5)
     assert len(rows) == 3 and all(_status(r) == "ok" for r in rows), out
     assert "not ok: 0 (FAIL), 1 (TIMEOUT)" in out
