@@ -5,7 +5,9 @@ a world size (a config read by a tool) it checks the layout and the modes; with 
 also the data files, the world layout, the batch split over data-parallel ranks, the budget,
 the learning-rate schedule and the intervals.
 The model-shape rules belong to :class:`~megatron_boost.config.transformer.BoostTransformerConfig`
-(megatron configs validate themselves in ``__post_init__``) and are not repeated here.
+(megatron configs validate themselves in ``__post_init__``) and are not repeated here; the one
+tensor-parallel divisibility rule (``config.transformer.check_tp_split``) is called here as
+well, so that a layout it refuses stops before any rank starts.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_boost.config.transformer import TPMode
+from megatron_boost.config.transformer import TPMode, check_tp_split
 from megatron_boost.runtime.backends import check_attention_backend
 
 __all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations",
@@ -147,6 +149,13 @@ def _check_layout(cfg) -> None:
             f"model.num_attention_heads ({m.num_attention_heads}) when model.kv_channels is "
             f"null (the head dimension is hidden_size / heads); change either or set "
             f"model.kv_channels")
+    mode = TPMode.parse(par.mode)
+    attn_rank, mlp_rank = m.resolved_ranks() if mode.is_lowrank else (None, None)
+    # The rule the layers enforce, checked here too: a launcher's --check and a launch then
+    # refuse the layout before any rank starts, in one line from rank 0.
+    check_tp_split(mode, par.tp, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+                   num_attention_heads=m.num_attention_heads,
+                   num_query_groups=m.num_query_groups, attn_rank=attn_rank, mlp_rank=mlp_rank)
     if par.vpp:
         per_stage = layers // par.pp
         if par.pp < 2 or per_stage % par.vpp:
