@@ -220,7 +220,8 @@ def test_nonfinite_step_is_skipped_and_logged(tmp_path):
     import torch
 
     run_dir = tmp_path / "run"
-    out = _run(run_dir, ["checkpoint.save_interval=1"],
+    # iterations 1-4 are the ones checked: the skip at 3 between the saves at 2 and 4
+    out = _run(run_dir, ["checkpoint.save_interval=1", "training.train_iters=4"],
                {"MEGATRON_BOOST_TEST_NAN_AT": "3:1"})
     recs = {r["iteration"]: r for r in metrics(run_dir)}
     assert recs[3]["skipped_steps"] == 1 and recs[2]["skipped_steps"] == 0, recs[3]
