@@ -14,7 +14,8 @@
 * Test hooks (environment variables, read once; unset in normal runs):
   ``MEGATRON_BOOST_TEST_NAN_AT=<first>[-<last>]:<rank>`` makes that rank's loss NaN at those
   iterations; ``MEGATRON_BOOST_TEST_HANG_AT=<iteration>:<rank>`` makes that rank stop
-  responding before that iteration; ``MEGATRON_BOOST_TEST_SAVE_SLEEP=<seconds>`` sleeps after
+  responding before that iteration (stuck in communication: see :meth:`TestHooks.maybe_hang`);
+  ``MEGATRON_BOOST_TEST_SAVE_SLEEP=<seconds>`` sleeps after
   the shards are written and before the checkpoint is committed (a window to kill a rank in).
 """
 
@@ -102,10 +103,23 @@ class TestHooks:
             return output, poisoned_loss
         return poisoned_forward_step
 
-    def maybe_hang(self, iteration: int, rank: int) -> None:
-        """Stop responding (sleep until killed) where the hang hook selects us."""
-        while self._hits(self.hang_at, iteration, rank):
-            time.sleep(3600)
+    def maybe_hang(self, iteration: int, rank: int, group) -> None:
+        """Stop responding where the hang hook selects us, as a rank stuck in communication
+        does (collectives out of step): wait up to an hour for a message from another rank
+        that is never sent, on ``group`` (the :class:`RankMonitor`'s). Such a rank takes part
+        in nothing else, and its wait ends, with an error, only when that rank's connection
+        closes, i.e. once it has found the hang and stopped. (On the default group the wait
+        would end when the other rank's collective times out, before it asks who is missing.)
+        A rank stuck outside communication would wait for the launcher's SIGKILL instead: the
+        pre-emption handler only sets a flag for a step boundary it never reaches."""
+        if not self._hits(self.hang_at, iteration, rank):
+            return
+        import torch
+        import torch.distributed as dist
+
+        peer = 1 if rank == 0 else 0
+        dist.irecv(torch.empty(1), src=peer, group=group).wait(
+            timeout=datetime.timedelta(hours=1))
 
     def before_commit(self) -> None:
         if self.save_sleep_s > 0:

@@ -307,7 +307,7 @@ class Trainer:
         device work is waited for, and timed, by the next step's reads."""
         t, it = self.cfg.training, self.state.iteration + 1
         self.writer.poll()  # commit a finished background save
-        self.hooks.maybe_hang(it, dist.get_rank())
+        self.hooks.maybe_hang(it, dist.get_rank(), self.monitor.group)
         self.scheduler.step(1)  # iteration k runs at scheduler step k
         lr = float(self.optimizer.param_groups[0]["lr"])
         logged = self._logs_at(it)
