@@ -1,4 +1,7 @@
-"""Fault tolerance of the training loop, on real TP=2 gloo runs (configs/debug.yaml, CPU).
+"""Fault tolerance of the training loop, on TP=2 gloo runs (configs/debug.yaml, CPU): the runs
+that are killed or hang are real torchrun launches; the runs that finish (the uninterrupted
+reference, the relaunches, the non-finite run) run the entry point in the rank pool
+(tests/rank_pool.py).
 
 * Kill and resume: one rank is SIGKILLed after a seeded random iteration; all ranks are
   SIGKILLed while the second checkpoint is being written (the save sleeps before its commit
@@ -35,7 +38,7 @@ from typing import Optional
 
 import pytest
 
-from tests.test_training import ROOT, _cmd, _env, losses, metrics
+from tests.test_training import DEBUG, ROOT, _cmd, _env, losses, metrics
 
 TIMEOUT = 300
 ITERS = 8
@@ -94,9 +97,16 @@ class Launch:
 
 
 def _run(run_dir: Path, extra=(), env_extra=None) -> str:
-    job = Launch(run_dir, extra, env_extra)
-    out = job.finish()
-    assert job.proc.returncode == 0, out[-4000:]
+    """A run that is meant to finish (the reference, a relaunch, the non-finite run): the
+    entry point's ``main(argv)`` on two ranks of the rank pool (tests/rank_pool.py), since
+    what it computes is the subject; the runs that are killed or hang are real launches.
+    Its console output (both streams)."""
+    from tests.rank_pool import pool
+
+    proc = pool().run(2, ["--config", DEBUG, *COMMON, f"logging.run_dir={run_dir}", *extra],
+                      env=dict(_env(), **(env_extra or {})), cwd=str(ROOT), timeout=TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
     return out
 
 
