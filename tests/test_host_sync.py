@@ -4,11 +4,13 @@ One gloo worker builds the debug model twice, once with 1 layer and 1 micro-batc
 and once with 3 layers and 4 micro-batches (so roughly 3x the parameters and 4x the
 micro-batches), runs one warm-up step and counts the host synchronisations of the next
 (:class:`~megatron_boost.testing.host_sync.HostSyncCounter`). The counts must be equal and
-small. The counter itself is checked first on known code.
+small. The same worker then does the same for the trainer's whole iteration. The counter
+itself is checked first on known code.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_boost.testing.host_sync import HostSyncCounter
@@ -67,15 +69,31 @@ def _step_syncs(num_layers, num_microbatches):
     return dict(syncs.counts)
 
 
-def _worker(rank, world):
+def _step_worker():
+    from megatron.core import parallel_state
+
     from megatron_boost.train.step import initialize_parallel
 
     initialize_parallel(1, 1, None, seed=1)
-    return {"small": _step_syncs(1, 1), "large": _step_syncs(3, 4)}
+    try:
+        return {"small": _step_syncs(1, 1), "large": _step_syncs(3, 4)}
+    finally:
+        parallel_state.destroy_model_parallel()  # the trainer's counts run next
 
 
-def test_host_syncs_per_step_do_not_grow_with_parameters_or_micro_batches():
-    counts = run_distributed(_worker, 1)[0]
+def _worker(rank, world, run_dir):
+    """Both counts in one process (a process start costs seconds of imports): the bare train
+    step's, then the trainer iteration's. Each count follows its own warm-up step."""
+    return {"step": _step_worker(), "trainer": _trainer_worker(rank, world, run_dir)}
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory):
+    return run_distributed(_worker, 1, str(tmp_path_factory.mktemp("host_sync")))[0]
+
+
+def test_host_syncs_per_step_do_not_grow_with_parameters_or_micro_batches(counts):
+    counts = counts["step"]
     assert counts["small"] == counts["large"], counts
     assert sum(counts["large"].values()) <= MAX_SYNCS_PER_STEP, counts
 
@@ -138,8 +156,8 @@ def _trainer_worker(rank, world, run_dir):
             "large": _trainer_syncs(f"{run_dir}/large", 3, 4)}
 
 
-def test_trainer_iteration_host_syncs_do_not_grow_with_parameters_or_micro_batches(tmp_path):
-    counts = run_distributed(_trainer_worker, 1, str(tmp_path))[0]
+def test_trainer_iteration_host_syncs_do_not_grow_with_parameters_or_micro_batches(counts):
+    counts = counts["trainer"]
     small, large = counts["small"], counts["large"]
     assert small["ordinary"] == large["ordinary"], counts
     assert sum(large["ordinary"].values()) <= MAX_TRAINER_SYNCS_PER_STEP, counts

@@ -8,9 +8,11 @@ the matching slice of the one-process gradient (except with the distributed opti
 each DP rank holds only its shard of the reduced buffer), the global gradient norm, and every
 parameter after one optimizer step. Tolerances: megatron_boost.testing.verification.TOLERANCES.
 
-Layouts are grouped by world size so that one set of processes runs several of them; only the
-layouts of the selected tests are run (the fast tier selects the TP=2 layout of each mode and
-one negative control).
+Checks are grouped by world size so that one set of processes runs all of them: one process
+for the references (and boost at TP=1 against naive at TP=1), two for every world-2 layout and
+the TP=2 collectives of the whole model, four for every world-4 layout (each process start costs
+seconds of imports). Only the checks of the selected tests are run (the fast tier selects the
+TP=2 layout of each mode and one negative control).
 """
 
 from __future__ import annotations
@@ -79,38 +81,64 @@ def _ref_key(spec: LayoutSpec):
     return (r.mode, tuple(sorted(r.model.items())))
 
 
-def _selected_layouts(request) -> set:
-    """The layout names of this module's selected tests."""
-    return {item.callspec.params["name"] for item in request.session.items
-            if item.module is request.module and hasattr(item, "callspec")
-            and "name" in item.callspec.params}
+def _selected(request) -> tuple:
+    """(layout names, test function names) of this module's selected tests."""
+    items = [item for item in request.session.items if item.module is request.module]
+    layouts = {item.callspec.params["name"] for item in items
+               if hasattr(item, "callspec") and "name" in item.callspec.params}
+    return layouts, {item.originalname for item in items}
+
+
+COLLECTIVE_MODES = ("full", "naive", "boost")
+
+
+def _references(rank, world, ref_specs, boost1):
+    """The one-process references; then, in the same process, boost at TP=1 against the
+    naive reference (``boost1``, when selected): one process start instead of two."""
+    refs = run_many(rank, world, [(s, None) for s in ref_specs])
+    if boost1 is None:
+        return refs, None
+    naive1 = refs[[_ref_key(s) for s in ref_specs].index(_ref_key(boost1))]
+    return refs, run_layout(rank, world, boost1, naive1)
+
+
+def _world_jobs(rank, world, jobs, collective_specs):
+    """The layouts of one world size, then (world 2) the model's collectives at TP=2 of each
+    mode: one set of processes for everything that needs that many."""
+    return run_many(rank, world, jobs), [model_collectives(rank, world, s)
+                                         for s in collective_specs]
 
 
 @pytest.fixture(scope="module")
 def results(request):
-    selected = _selected_layouts(request)
-    boost1 = L("boost")
+    """Every selected check's per-rank results, from at most three sets of processes: the
+    one-process references (with boost at TP=1), all world-2 checks, all world-4 checks.
+    The collectives of each mode appear as ``collectives-<mode>``."""
+    selected, tests = _selected(request)
+    boost1 = L("boost") if "boost-tp1-vs-naive-tp1" in selected else None
     wanted = [(n, w, spec) for n, w, spec in LAYOUTS if n in selected]
+    collective_modes = [m for m in COLLECTIVE_MODES if f"test_{m}_model_collectives" in tests]
     refs_needed = {}
-    for _, _, spec in wanted + ([("", 1, boost1)] if "boost-tp1-vs-naive-tp1" in selected
-                                else []):
+    for _, _, spec in wanted + ([("", 1, boost1)] if boost1 else []):
         refs_needed.setdefault(_ref_key(spec), reference_spec(spec))
-    # The one-process references, plus boost at TP=1 against naive at TP=1.
-    ref_specs = list(refs_needed.values())
-    ref_out = run_distributed(run_many, 1, [(s, None) for s in ref_specs])[0]
-    refs = dict(zip(refs_needed.keys(), ref_out))
-    out = {}
+    out, refs = {}, {}
+    if refs_needed:
+        ref_specs = list(refs_needed.values())
+        ref_out, tp1 = run_distributed(_references, 1, ref_specs, boost1)[0]
+        refs = dict(zip(refs_needed.keys(), ref_out))
+        if boost1:
+            out["boost-tp1-vs-naive-tp1"] = [tp1]
     for world in (2, 4):
         layouts = [(name, spec) for name, w, spec in wanted if w == world]
-        if not layouts:
+        collective_specs = [L(m, tp=2) for m in collective_modes] if world == 2 else []
+        if not layouts and not collective_specs:
             continue
         jobs = [(spec, refs[_ref_key(spec)]) for _, spec in layouts]
-        per_rank = run_distributed(run_many, world, jobs, timeout=600)
+        per_rank = run_distributed(_world_jobs, world, jobs, collective_specs, timeout=600)
         for i, (name, _) in enumerate(layouts):
-            out[name] = [rank_results[i] for rank_results in per_rank]
-    if "boost-tp1-vs-naive-tp1" in selected:
-        out["boost-tp1-vs-naive-tp1"] = run_distributed(
-            run_layout, 1, boost1, refs[_ref_key(boost1)])
+            out[name] = [rank_layouts[i] for rank_layouts, _ in per_rank]
+        for i, spec in enumerate(collective_specs):
+            out[f"collectives-{spec.mode}"] = per_rank[0][1][i]  # rank 0's record, as before
     return out
 
 
@@ -156,9 +184,10 @@ QKV = D + 2 * MODEL["num_query_groups"] * HN
 
 
 @pytest.fixture(scope="module")
-def collectives():
-    return {mode: run_distributed(model_collectives, 2, L(mode, tp=2))[0]
-            for mode in ("full", "naive", "boost")}
+def collectives(results):
+    """Recorded in the world-2 processes of ``results`` (only the selected modes)."""
+    return {mode: results[f"collectives-{mode}"] for mode in COLLECTIVE_MODES
+            if f"collectives-{mode}" in results}
 
 
 def _split(records):

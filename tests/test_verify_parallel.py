@@ -1,10 +1,13 @@
-"""tools/verify_parallel.py: the user-facing layout verifier, end to end."""
+"""tools/verify_parallel.py: the user-facing layout verifier, end to end (one run as the
+command users run, the others through its main(argv))."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_boost.cli.verify_parallel import main
 
 pytestmark = pytest.mark.compat  # the tiers: docs/testing.md
 
@@ -23,14 +26,21 @@ def test_verifier_passes_a_good_layout():
     assert last.startswith("max_rel_loss_diff=") and last.endswith(" OK")
 
 
-def test_verifier_fails_a_corrupted_layout():
-    r = _run("--config", "configs/debug.yaml", "--tp", "2", "--mode", "naive", "--tiny",
-             "--negative-control")
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert r.stdout.strip().splitlines()[-1].endswith(" FAIL")
+# The two below call the verifier's main(argv) in this process: the same code as the command
+# (tools/verify_parallel.py only exits with main()'s status, which the run above checks), and
+# the negative control still spawns its reference and layout processes; only the extra
+# interpreter and its imports are saved.
 
 
-def test_verifier_reports_bad_layout_clearly():
-    r = _run("--config", "configs/debug.yaml", "--tp", "3")
-    assert r.returncode == 2
-    assert "must be divisible by tensor_model_parallel_size (3)" in r.stderr
+def test_verifier_fails_a_corrupted_layout(capsys):
+    status = main(["--config", str(ROOT / "configs/debug.yaml"), "--tp", "2", "--mode",
+                   "naive", "--tiny", "--negative-control"])
+    out = capsys.readouterr()
+    assert status == 1, out.out + out.err
+    assert out.out.strip().splitlines()[-1].endswith(" FAIL")
+
+
+def test_verifier_reports_bad_layout_clearly(capsys):
+    status = main(["--config", str(ROOT / "configs/debug.yaml"), "--tp", "3"])
+    assert status == 2
+    assert "must be divisible by tensor_model_parallel_size (3)" in capsys.readouterr().err
