@@ -393,27 +393,19 @@ class SlurmCluster:
     ) -> tuple[int, int]:
         """Submit ``script args...`` with sbatch and return ``(returncode, job_id)``.
 
-        ``wait=True`` uses ``sbatch --wait``: the return code is the job's exit code (sbatch
-        keeps waiting through requeues); after ``timeout`` seconds the job is cancelled and
-        SlurmClusterError is raised with the job's and daemons' state. ``wait=False``: the
-        return code is sbatch's own. ``extra_sbatch_args`` go before the script (e.g.
-        ``--nodes=2``, ``--output=...``); ``env`` is added to the submitting environment, which
-        the job inherits (sbatch's default --export=ALL); ``cwd`` is the submit directory
-        (SLURM_SUBMIT_DIR, where relative --output paths land)."""
-        cmd = ["sbatch", "--parsable"] + (["--wait"] if wait else []) + list(extra_sbatch_args)
+        ``wait=True``: wait until the job has finished, through requeues, and return its exit
+        code (``ExitCode`` status, or 128 + the signal that ended it), like ``sbatch --wait``
+        but polled every 0.25 s: ``sbatch --wait`` itself sleeps 2 s between its polls.
+        After ``timeout`` seconds the job is cancelled and SlurmClusterError is raised with
+        the job's and daemons' state. ``wait=False``: the return code is sbatch's own.
+        ``extra_sbatch_args`` go before the script (e.g. ``--nodes=2``, ``--output=...``);
+        ``env`` is added to the submitting environment, which the job inherits (sbatch's
+        default --export=ALL); ``cwd`` is the submit directory (SLURM_SUBMIT_DIR, where
+        relative --output paths land)."""
+        deadline = time.monotonic() + timeout
+        cmd = ["sbatch", "--parsable"] + list(extra_sbatch_args)
         cmd += [str(script)] + [str(a) for a in args]
-        try:
-            r = self.run(cmd, env=env, cwd=cwd, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            job_id = self._parse_job_id(out)
-            detail = self.describe_job(job_id) if job_id is not None else ""
-            if job_id is not None:
-                self.run(["scancel", str(job_id)], timeout=10)
-            raise SlurmClusterError(
-                f"sbatch --wait did not return within {timeout}s (job {job_id}, cancelled)\n"
-                f"{detail}\n{self.log_tails()}"
-            ) from None
+        r = self.run(cmd, env=env, cwd=cwd, timeout=timeout)
         job_id = self._parse_job_id(r.stdout)
         if job_id is None:
             raise SlurmClusterError(
@@ -421,7 +413,16 @@ class SlurmCluster:
                 f"{r.stderr}\n{self.log_tails()}"
             )
         self.last_sbatch = r
-        return r.returncode, job_id
+        if not wait or r.returncode != 0:
+            return r.returncode, job_id
+        try:
+            info = self.wait_job(job_id, timeout=max(deadline - time.monotonic(), 1.0), poll=0.25)
+        except SlurmClusterError as e:
+            self.run(["scancel", str(job_id)], timeout=10)
+            raise SlurmClusterError(f"job {job_id} did not finish within {timeout}s "
+                                    f"(cancelled)\n{e}") from None
+        status, _, sig = info.get("ExitCode", "1:0").partition(":")
+        return (128 + int(sig) if sig and int(sig) else int(status)), job_id
 
     def cancel_all(self, timeout: float = 15.0) -> bool:
         """scancel every job and wait up to ``timeout`` s for the queue to empty (True if it
@@ -437,7 +438,7 @@ class SlurmCluster:
 
     def job_info(self, job_id: int | str) -> dict[str, str] | None:
         """``scontrol show job -o`` as a dict (JobState, ExitCode, Restarts, NodeList, ...), or
-        None once Slurm has forgotten the job (MinJobAge=4 s after it ends)."""
+        None once Slurm has forgotten the job (MinJobAge=300 s after it ends)."""
         r = self.run(["scontrol", "show", "job", "-o", str(job_id)], timeout=15)
         if r.returncode != 0 or not r.stdout.strip():
             return None
@@ -478,9 +479,16 @@ class SlurmCluster:
             f"{self.describe_job(job_id)}\n{self.log_tails()}"
         )
 
-    def wait_job(self, job_id: int | str, timeout: float = 60.0) -> dict[str, str]:
+    def wait_job(self, job_id: int | str, timeout: float = 60.0, poll: float = 0.2) -> dict[str, str]:
         """Wait until the job has finished (terminal state); return its job_info."""
-        return self.wait_state(job_id, TERMINAL_STATES, timeout=timeout)
+        return self.wait_state(job_id, TERMINAL_STATES, timeout=timeout, poll=poll)
+
+    def job_pids(self) -> list[int]:
+        """PIDs of this cluster's job processes (slurmstepd, batch shells, srun, the job's own
+        processes): those that carry its marker, less its daemons."""
+        self._require_state()
+        daemons = {p.pid for p in self._procs.values()}
+        return [pid for pid in self._marked_pids() if pid not in daemons]
 
     def describe_job(self, job_id: int | str | None) -> str:
         if job_id is None:
@@ -621,7 +629,7 @@ class SlurmCluster:
             "AuthType=auth/munge",
             "CredType=cred/munge",
             # cred_expire also sets how long a requeued job waits before it may start again
-            # (default 120 s)
+            # (default 120 s; 5 is the least Slurm 22.05 accepts: a smaller value means 120)
             f"AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire}",
             f"SlurmctldPort={CTLD_PORT}",
             f"SlurmdPort={SLURMD_BASE_PORT}",
@@ -645,7 +653,9 @@ class SlurmCluster:
             # start jobs (e.g. requeued ones reaching their EligibleTime) within ~1 s
             "SchedulerParameters=sched_interval=1,bf_interval=1",
             "ReturnToService=2",
-            "MinJobAge=4",
+            # a finished job stays visible to scontrol for 5 min, so a poll that comes late
+            # (a loaded machine) still reads its state and exit code
+            "MinJobAge=300",
             "KillWait=10",
             "InactiveLimit=0",
             "JobRequeue=1",

@@ -174,6 +174,23 @@ def _submit(cluster: SlurmCluster, job, overrides=(), env=None, sbatch_args=(), 
     )
 
 
+# First, so that the one-node tests here and in tests/test_slurm_training.py share a cluster
+# (one runs at a time).
+def test_two_nodes_one_process_each(slurm2, job):
+    rc, job_id = _submit(slurm2, job, sbatch_args=["--nodes=2"])
+    log = job.log(job_id)
+    assert rc == 0, log
+    results = _results(job.run_dir, 2)
+    # one rank per node (c10d rendezvous may give rank 0 to either node)
+    assert sorted((r["node"], r["node_id"]) for r in results) == [("n1", "0"), ("n2", "1")]
+    for r in results:
+        assert r["world_size"] == 2 and r["local_rank"] == 0
+        assert r["rank_sum"] == 1.0
+        assert r["resolved"] == {"n1": "127.0.0.1", "n2": "127.0.0.1"}
+    # MASTER_ADDR is the first host of the allocation, and the rendezvous on it worked
+    assert "rendezvous n1:" in log and "1 process(es)/node" in log, log
+
+
 @pytest.mark.parametrize(
     "how", [{"NPROC_PER_NODE": "2"}, {"CUDA_VISIBLE_DEVICES": "0,1"}], ids=["NPROC_PER_NODE", "CUDA_VISIBLE_DEVICES"]
 )
@@ -252,18 +269,3 @@ def test_preemption_signal_checkpoints_requeues_and_resumes(slurm1, job):
         assert r["world_size"] == 2
     assert log.count("training step exited with status 0") == 1, log
     print(f"pre-emption round trip took {time.monotonic() - t0:.1f}s")
-
-
-def test_two_nodes_one_process_each(slurm2, job):
-    rc, job_id = _submit(slurm2, job, sbatch_args=["--nodes=2"])
-    log = job.log(job_id)
-    assert rc == 0, log
-    results = _results(job.run_dir, 2)
-    # one rank per node (c10d rendezvous may give rank 0 to either node)
-    assert sorted((r["node"], r["node_id"]) for r in results) == [("n1", "0"), ("n2", "1")]
-    for r in results:
-        assert r["world_size"] == 2 and r["local_rank"] == 0
-        assert r["rank_sum"] == 1.0
-        assert r["resolved"] == {"n1": "127.0.0.1", "n2": "127.0.0.1"}
-    # MASTER_ADDR is the first host of the allocation, and the rendezvous on it worked
-    assert "rendezvous n1:" in log and "1 process(es)/node" in log, log

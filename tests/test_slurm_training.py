@@ -4,12 +4,19 @@ scripts/slurm/pretrain.sbatch runs pretrain_lowrank.py on configs/debug.yaml (mo
 gloo): one node with two processes, two fake nodes with one process each (the same TP=2 layout
 across nodes, so the same losses), a trainer that fails on a bad config, and a pre-emption:
 SIGUSR1 to the batch shell (what ``--signal=B:USR1@N`` delivers) -> checkpoint -> requeue ->
-the requeued run resumes from that checkpoint and finishes. Skipped without Slurm or root.
+the requeued run resumes from that checkpoint and finishes. So that the signal lands mid-run
+whatever the machine's speed, the test holds the trainer's ranks with SIGSTOP after the first
+logged iteration, sends the signal, waits until it is pending in both ranks, and lets them go
+on (SIGCONT): they act on it at the next step boundary. Skipped without Slurm or root.
+
+The two-node test runs last, so the one-node tests share one cluster (one cluster at a time).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -76,6 +83,117 @@ def test_one_node_two_processes_trains_and_writes_metrics(one_node_losses):
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
 
 
+def test_failing_trainer_fails_the_job(slurm_cluster_of, job):
+    # One process: the failure and what the launcher makes of it do not depend on the count
+    # (tests/test_slurm.py fails one of two ranks).
+    rc, jid = _submit(slurm_cluster_of(1), job, ["model.hiden_size=3"],
+                      env={"NPROC_PER_NODE": "1"})
+    log = job.log(jid)
+    assert rc != 0, log
+    assert "unknown key 'hiden_size'" in log
+    assert "requeue" not in log
+
+
+PREEMPT_ITERS = 20
+
+
+def _trainer_ranks(cluster) -> list[int]:
+    """PIDs of the trainer ranks of the cluster's running job: torchrun's children."""
+    def cmdline(pid):
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            return ""
+
+    def ppid(pid):
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    return [pid for pid in cluster.job_pids() if "pretrain_lowrank.py" in cmdline(pid)
+            and "torch.distributed.run" not in cmdline(pid)
+            and "torch.distributed.run" in cmdline(ppid(pid))]
+
+
+def _proc_status(pid: int) -> dict:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return {}
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+
+def _usr1_pending_or_running(pid: int) -> bool:
+    st = _proc_status(pid)
+    pending = int(st.get("SigPnd", "0"), 16) | int(st.get("ShdPnd", "0"), 16)
+    return bool(pending & (1 << (signal.SIGUSR1 - 1))) or not st.get("State", "T").startswith("T")
+
+
+def _wait_until(cond, timeout: float, what: str, poll: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(poll)
+
+
+def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster_of, job):
+    cluster = slurm_cluster_of(1)
+    iters = PREEMPT_ITERS
+    rc, jid = _submit(cluster, job, [f"training.train_iters={iters}",
+                                     "training.eval_interval=1000"],
+                      env={"NPROC_PER_NODE": "2"}, wait=False)
+    assert rc == 0
+    metrics = job.run_dir / "metrics.jsonl"
+
+    def logged() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    # Find the two ranks while they start, then hold them (SIGSTOP) once iteration 1 is logged
+    # (looked for every 20 ms then, so that they are held within a few iterations).
+    ranks: list[int] = []
+    deadline = time.monotonic() + 180
+    while len(ranks) != 2:
+        assert cluster.job_state(jid) in ("PENDING", "RUNNING", "CONFIGURING"), job.log(jid)
+        assert time.monotonic() < deadline, job.log(jid)
+        ranks = _trainer_ranks(cluster)
+        time.sleep(0.1)
+    while logged() < 1:
+        assert all(_proc_status(p) for p in ranks), f"a rank ended\n{job.log(jid)}"
+        assert time.monotonic() < deadline, job.log(jid)
+        time.sleep(0.02)
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        _wait_until(lambda: all(_proc_status(p).get("State", "").startswith("T") for p in ranks),
+                    30, "the ranks did not stop")
+        done = logged()
+        # Held within iteration done + 1 (rank 0; the other rank at most one step ahead): a
+        # signal pending now is acted on at iteration done + 2 at the latest, before the end.
+        assert done + 2 < iters, f"training ran to iteration {done} before it was held"
+        # What Slurm sends at --signal=B:USR1@N: SIGUSR1 to the batch shell only; the shell
+        # forwards it to the step (srun, torchrun, the ranks).
+        cluster.run(["scancel", "--batch", "--signal=USR1", str(jid)], check=True)
+        _wait_until(lambda: all(_usr1_pending_or_running(p) for p in ranks), 60,
+                    f"SIGUSR1 did not reach the ranks\n{job.log(jid)}")
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    info = cluster.wait_job(jid, timeout=240)
+    log = job.log(jid)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log)
+    assert "pre-emption signal received, checkpoint saved at iteration" in log, log
+    saved = int(log.split("checkpoint saved at iteration")[1].split()[0])
+    assert 0 < saved <= done + 2, (saved, done, log)
+    assert f"at iteration {saved}" in log.split("resumed from")[1].splitlines()[0], log
+    losses = _train_losses(job.run_dir)
+    # One trajectory: every iteration exactly once, up to the end of training.
+    assert sorted(losses) == list(range(1, iters + 1))
+
+
 def test_two_nodes_one_process_each_same_losses(slurm_cluster_of, job, one_node_losses):
     rc, jid = _submit(slurm_cluster_of(2), job, sbatch_args=["--nodes=2"])
     log = job.log(jid)
@@ -84,37 +202,3 @@ def test_two_nodes_one_process_each_same_losses(slurm_cluster_of, job, one_node_
     losses, _ = one_node_losses
     # The same TP=2 layout, now across two nodes: the same arithmetic, the same losses.
     assert _train_losses(job.run_dir) == losses
-
-
-def test_failing_trainer_fails_the_job(slurm_cluster_of, job):
-    rc, jid = _submit(slurm_cluster_of(1), job, ["model.hiden_size=3"],
-                      env={"NPROC_PER_NODE": "2"})
-    log = job.log(jid)
-    assert rc != 0, log
-    assert "unknown key 'hiden_size'" in log
-    assert "requeue" not in log
-
-
-def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster_of, job):
-    cluster = slurm_cluster_of(1)
-    rc, jid = _submit(cluster, job, ["training.train_iters=400", "training.eval_interval=1000"],
-                      env={"NPROC_PER_NODE": "2"}, wait=False)
-    assert rc == 0
-    metrics = job.run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert cluster.job_state(jid) in ("PENDING", "RUNNING", "CONFIGURING"), job.log(jid)
-        assert time.monotonic() < deadline, job.log(jid)
-        time.sleep(0.2)
-    # What Slurm sends at --signal=B:USR1@N: SIGUSR1 to the batch shell only.
-    cluster.run(["scancel", "--batch", "--signal=USR1", str(jid)], check=True)
-    info = cluster.wait_job(jid, timeout=240)
-    log = job.log(jid)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log)
-    assert "pre-emption signal received, checkpoint saved at iteration" in log, log
-    saved = int(log.split("checkpoint saved at iteration")[1].split()[0])
-    assert 0 < saved < 400
-    assert f"at iteration {saved}" in log.split("resumed from")[1].splitlines()[0], log
-    losses = _train_losses(job.run_dir)
-    # One trajectory: every iteration exactly once, up to the end of training.
-    assert sorted(losses) == list(range(1, 401))
