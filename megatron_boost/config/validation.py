@@ -100,9 +100,11 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_layout(cfg)
     _check_modes(cfg)
     if world_size is None:
+        _check_tp_split(cfg)
         return
     cfg.data.validate()
     _check_launch(cfg, ParallelDims(cfg.parallel.tp, cfg.parallel.pp, world_size))
+    _check_tp_split(cfg)  # after the launch's layout: a tp the world cannot hold comes first
     _check_budget(cfg)
     _check_intervals(cfg)
     _check_paths(cfg)
@@ -149,19 +151,23 @@ def _check_layout(cfg) -> None:
             f"model.num_attention_heads ({m.num_attention_heads}) when model.kv_channels is "
             f"null (the head dimension is hidden_size / heads); change either or set "
             f"model.kv_channels")
-    mode = TPMode.parse(par.mode)
-    attn_rank, mlp_rank = m.resolved_ranks() if mode.is_lowrank else (None, None)
-    # The rule the layers enforce, checked here too: a launcher's --check and a launch then
-    # refuse the layout before any rank starts, in one line from rank 0.
-    check_tp_split(mode, par.tp, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-                   num_attention_heads=m.num_attention_heads,
-                   num_query_groups=m.num_query_groups, attn_rank=attn_rank, mlp_rank=mlp_rank)
     if par.vpp:
         per_stage = layers // par.pp
         if par.pp < 2 or per_stage % par.vpp:
             raise ValueError(
                 f"parallel.vpp ({par.vpp}) needs parallel.pp >= 2 and must divide "
                 f"the layers per stage ({per_stage}); set parallel.vpp to null or a divisor")
+
+
+def _check_tp_split(cfg) -> None:
+    """The rule the layers enforce, checked here too: a launcher's --check and a launch then
+    refuse the layout before any rank starts, in one line from rank 0."""
+    m, par = cfg.model, cfg.parallel
+    mode = TPMode.parse(par.mode)
+    attn_rank, mlp_rank = m.resolved_ranks() if mode.is_lowrank else (None, None)
+    check_tp_split(mode, par.tp, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+                   num_attention_heads=m.num_attention_heads,
+                   num_query_groups=m.num_query_groups, attn_rank=attn_rank, mlp_rank=mlp_rank)
 
 
 def _check_modes(cfg) -> None:
