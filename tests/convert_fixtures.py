@@ -59,17 +59,12 @@ def torchrun(nproc: int, script: str, args: List[str]) -> str:
 
 def train(nproc: int, overrides: List[str], run_dir: Path) -> str:
     """A trainer run of configs/debug.yaml with ``overrides`` on ``nproc`` ranks of the rank
-    pool (tests/rank_pool.py: the entry point's ``main(argv)`` without process start-up);
-    returns its stdout (the test fails with the tail of both streams unless every rank
-    exits 0)."""
-    from tests.rank_pool import pool
+    pool (tests/rank_pool.py, through tests/test_training.py's ``run_training``); returns its
+    stdout (the test fails with the tail of both streams unless every rank exits 0)."""
+    from tests.test_training import run_training
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = pool().run(nproc, ["--config", str(ROOT / "configs/debug.yaml"), *overrides,
-                              f"logging.run_dir={run_dir}"], env=env, cwd=str(ROOT),
-                      timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run_training(nproc, [*overrides, f"logging.run_dir={run_dir}"],
+                        timeout=TIMEOUT).stdout
 
 
 def random_llama(d: Path, num_key_value_heads: int = 2, vocab_size: int = 256) -> Path:

@@ -22,7 +22,9 @@ import importlib
 import multiprocessing as mp
 import os
 import subprocess
+import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -38,10 +40,6 @@ _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
 
 def _serve(conn) -> None:
     """A rank process: import the entry point once, then run ``main(argv)`` per request."""
-    import io
-    import sys
-    import traceback
-
     import torch
 
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 does for the tests' torchrun launches
@@ -58,7 +56,7 @@ def _serve(conn) -> None:
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-        code = _run_redirected(main, argv, out_path, err_path, sys, io, traceback)
+        code = _run_redirected(main, argv, out_path, err_path)
         leftover = _process_left_dirty()
         os.chdir(base_cwd)
         os.environ.clear()
@@ -66,7 +64,7 @@ def _serve(conn) -> None:
         conn.send((code, leftover))
 
 
-def _run_redirected(main, argv, out_path, err_path, sys, io, traceback) -> int:
+def _run_redirected(main, argv, out_path, err_path) -> int:
     """``main(argv)`` with this process's stdout and stderr (file descriptors 1 and 2, so
     output of C++ code lands there too) sent to the two files; its exit status."""
     saved = [os.dup(1), os.dup(2)]
@@ -77,8 +75,8 @@ def _run_redirected(main, argv, out_path, err_path, sys, io, traceback) -> int:
         os.dup2(err.fileno(), 2)
         try:
             code = main(argv)
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else 1
+        except SystemExit as stop:  # a process's status: None is 0, a message is 1
+            code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
         except BaseException:  # what an uncaught exception does to a process: traceback, 1
             traceback.print_exc()
             code = 1

@@ -467,13 +467,11 @@ def test_init_from_an_import_then_relaunch_resumes(tmp_path):
     for key, tensor in imported[0].items():
         assert torch.equal(trained[0][key], tensor), key
     # the relaunch's subject is what it resumes, not being a process: the rank pool runs it
-    from tests.rank_pool import pool
+    from tests.test_training import run_training
 
-    second = pool().run(1, args[:2] + ["training.train_iters=" + str(saved + 2), *args[3:],
-                                       f"logging.run_dir={run_dir}"],
-                        env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(ROOT), timeout=300)
+    second = run_training(1, ["training.train_iters=" + str(saved + 2), *args[3:],
+                              f"logging.run_dir={run_dir}"], config=str(config), timeout=300)
     out = second.stdout + second.stderr
-    assert second.returncode == 0, out[-3000:]
     assert f"resumed from {run_dir / 'checkpoints'}" in out and f"at iteration {saved} " in out, \
         out[-3000:]
     assert "initialised from" not in out

@@ -38,7 +38,7 @@ from typing import Optional
 
 import pytest
 
-from tests.test_training import DEBUG, ROOT, _cmd, _env, losses, metrics
+from tests.test_training import ROOT, _cmd, _env, losses, metrics, run_training
 
 TIMEOUT = 300
 ITERS = 8
@@ -101,13 +101,9 @@ def _run(run_dir: Path, extra=(), env_extra=None) -> str:
     entry point's ``main(argv)`` on two ranks of the rank pool (tests/rank_pool.py), since
     what it computes is the subject; the runs that are killed or hang are real launches.
     Its console output (both streams)."""
-    from tests.rank_pool import pool
-
-    proc = pool().run(2, ["--config", DEBUG, *COMMON, f"logging.run_dir={run_dir}", *extra],
-                      env=dict(_env(), **(env_extra or {})), cwd=str(ROOT), timeout=TIMEOUT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return out
+    proc = run_training(2, [*COMMON, f"logging.run_dir={run_dir}", *extra], env_extra=env_extra,
+                        timeout=TIMEOUT)
+    return proc.stdout + proc.stderr
 
 
 def _wait_for(predicate, job: Launch, what: str) -> None:

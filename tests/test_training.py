@@ -58,11 +58,13 @@ def _cmd(nproc: int, overrides, config: str = DEBUG):
     return launch + ["--config", config, *overrides]
 
 
-def run_training(nproc: int, overrides, check: bool = True) -> subprocess.CompletedProcess:
-    """``pretrain_lowrank.py --config configs/debug.yaml <overrides>`` on ``nproc`` ranks of the
-    rank pool (tests/rank_pool.py), with the environment a launch of these tests gets."""
-    proc = pool().run(nproc, ["--config", DEBUG, *overrides], env=_env(), cwd=str(ROOT),
-                      timeout=TIMEOUT)
+def run_training(nproc: int, overrides, check: bool = True, config: str = DEBUG,
+                 env_extra=None, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """``pretrain_lowrank.py --config <config> <overrides>`` on ``nproc`` ranks of the rank pool
+    (tests/rank_pool.py), with the environment a launch of these tests gets (plus
+    ``env_extra``, e.g. a fault-injection hook)."""
+    proc = pool().run(nproc, ["--config", config, *overrides],
+                      env=dict(_env(), **(env_extra or {})), cwd=str(ROOT), timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (exit {proc.returncode}):\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n"
