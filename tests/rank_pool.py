@@ -13,20 +13,30 @@ them), and a run that did not leave the process clean fails here.
 What is tested *as* a launch stays one: the fault-tolerance tests (kill, hang, signals), the
 SIGUSR1 test of tests/test_training.py, the Slurm tests, the README walk-through and the
 bad-input table's process cases start real processes.
+
+The same processes run the tests' gloo jobs: :func:`distributed` is
+``megatron_boost/runtime/spawn.py``'s ``run_distributed`` (a gloo group over the ranks, CPU
+mode, ``fn(rank, world, *args)``, the per-rank results) without starting the processes; the
+product's ``run_distributed`` stays tested through the tools that call it
+(``tools/verify_parallel.py``, ``tools/benchmark.py``) as processes.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
+import io
 import multiprocessing as mp
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
-from typing import Dict, List, Optional
+from multiprocessing.connection import wait
+from typing import Any, Callable, Dict, List, Optional
 
 from megatron_boost.runtime.spawn import free_port
 
@@ -39,7 +49,8 @@ _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
 
 
 def _serve(conn) -> None:
-    """A rank process: import the entry point once, then run ``main(argv)`` per request."""
+    """A rank process: import the entry point once, then run one job per request, in the
+    request's environment and directory, with its output sent to the request's files."""
     import torch
 
     torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 does for the tests' torchrun launches
@@ -49,24 +60,22 @@ def _serve(conn) -> None:
         request = conn.recv()
         if request is None:
             return
-        target, env, argv, cwd, out_path, err_path = request
-        module, name = target.split(":")
-        main = getattr(importlib.import_module(module), name)
+        job, env, cwd, out_path, err_path = request
         base_env, base_cwd = dict(os.environ), os.getcwd()
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-        code = _run_redirected(main, argv, out_path, err_path)
+        outcome = _redirected(job, out_path, err_path)
         leftover = _process_left_dirty()
         os.chdir(base_cwd)
         os.environ.clear()
         os.environ.update(base_env)
-        conn.send((code, leftover))
+        conn.send((outcome, leftover))
 
 
-def _run_redirected(main, argv, out_path, err_path) -> int:
-    """``main(argv)`` with this process's stdout and stderr (file descriptors 1 and 2, so
-    output of C++ code lands there too) sent to the two files; its exit status."""
+def _redirected(job: Callable[[], Any], out_path: str, err_path: str) -> Any:
+    """``job()`` with this process's stdout and stderr (file descriptors 1 and 2, so output of
+    C++ code lands there too) sent to the two files."""
     saved = [os.dup(1), os.dup(2)]
     with open(out_path, "w") as out, open(err_path, "w") as err:
         sys.stdout.flush()
@@ -74,12 +83,7 @@ def _run_redirected(main, argv, out_path, err_path) -> int:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            code = main(argv)
-        except SystemExit as stop:  # a process's status: None is 0, a message is 1
-            code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
-        except BaseException:  # what an uncaught exception does to a process: traceback, 1
-            traceback.print_exc()
-            code = 1
+            return job()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -87,7 +91,48 @@ def _run_redirected(main, argv, out_path, err_path) -> int:
             os.dup2(saved[1], 2)
             for fd in saved:
                 os.close(fd)
+
+
+def _main_job(target: str, argv: List[str]) -> int:
+    """A rank of a launch: ``main(argv)`` of ``target`` (``module:function``); its exit status."""
+    module, name = target.split(":")
+    main = getattr(importlib.import_module(module), name)
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # a process's status: None is 0, a message is 1
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+    except BaseException:  # what an uncaught exception does to a process: traceback, 1
+        traceback.print_exc()
+        code = 1
     return int(code or 0)
+
+
+def _gloo_job(fn: Callable, args: tuple) -> tuple:
+    """A rank of :func:`distributed`: what ``run_distributed``'s worker does (CPU mode, a gloo
+    group from torchrun's variables, ``fn(rank, world, *args)``), leaving CPU mode, megatron's
+    groups and the process group as they were. ``("ok", result as torch.save bytes)`` or
+    ``("error", traceback)``."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found, use_cpu
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        with cpu_mode_left_as_found():
+            use_cpu(force=True)
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            try:
+                result = fn(rank, world, *args)
+            finally:
+                parallel_state.destroy_model_parallel()
+                dist.destroy_process_group()
+        buf = io.BytesIO()  # bytes: tensors sent as they are would share this process's memory
+        torch.save(result, buf)
+        return "ok", buf.getvalue()
+    except BaseException:  # report every failure, including assertion errors
+        return "error", traceback.format_exc()
 
 
 def _process_left_dirty() -> Optional[str]:
@@ -97,10 +142,15 @@ def _process_left_dirty() -> Optional[str]:
 
     from megatron_boost.runtime.cpu_mode import is_cpu_mode
 
+    import torch
+
     left = [name for name, on in (("a process group", dist.is_initialized()),
                                   ("megatron's model-parallel groups",
                                    parallel_state.model_parallel_is_initialized()),
-                                  ("CPU mode", is_cpu_mode())) if on]
+                                  ("CPU mode", is_cpu_mode()),
+                                  ("a torch function mode",
+                                   bool(torch.overrides._get_current_function_mode_stack())))
+            if on]
     return ", ".join(left) or None
 
 
@@ -125,24 +175,57 @@ class RankPool:
             child.close()
             self._workers.append((proc, parent))
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
+        """Ask the processes to exit; kill those still running after ``wait_s`` (0: at once,
+        for processes known to be stuck)."""
         for proc, conn in self._workers:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
         for proc, _ in self._workers:
-            proc.join(timeout=10)
+            proc.join(timeout=wait_s)
             if proc.is_alive():
                 proc.kill()
+                proc.join()
         self._workers = []
 
     def run(self, world: int, argv: List[str], env: Dict[str, str], cwd: str,
             timeout: float, target: str = ENTRY) -> subprocess.CompletedProcess:
         """``main(argv)`` on ``world`` ranks in directory ``cwd`` with environment ``env`` (plus
-        torchrun's variables
-        when ``world`` > 1). Like a torchrun launch's result: the exit status is the first
-        non-zero rank's, stdout and stderr are the ranks' in rank order."""
+        torchrun's variables when ``world`` > 1). Like a torchrun launch's result: the exit
+        status is the first non-zero rank's, stdout and stderr are the ranks' in rank order."""
+        job = functools.partial(_main_job, target, list(argv))
+        codes, stdout, stderr = self._dispatch(world, job, env, cwd, timeout,
+                                               launch_env=world > 1, failed=bool)
+        # a rank killed after another failed (None) failed too, as torchrun reports it
+        code = next((1 if c is None else c for c in codes if c != 0), 0)
+        return subprocess.CompletedProcess(["main", *argv], code, stdout, stderr)
+
+    def distributed(self, fn: Callable, world: int, *args, timeout: float = 300.0) -> list:
+        """``fn(rank, world, *args)`` on ``world`` ranks joined in a gloo group, in CPU mode;
+        the per-rank return values, as ``run_distributed`` returns them. A failing rank raises
+        ``RuntimeError`` with its traceback (and the ranks' output goes to this process's
+        stdout and stderr, where pytest shows it)."""
+        job = functools.partial(_gloo_job, fn, args)
+        outcomes, stdout, stderr = self._dispatch(
+            world, job, dict(os.environ), os.getcwd(), timeout, launch_env=True,
+            failed=lambda outcome: outcome[0] == "error")
+        sys.stdout.write(stdout)
+        sys.stderr.write(stderr)
+        errors = [f"--- rank {r} ---\n{outcome[1]}" for r, outcome in enumerate(outcomes)
+                  if outcome is not None and outcome[0] == "error"]
+        if errors:
+            raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
+        import torch
+
+        return [torch.load(io.BytesIO(payload), weights_only=False) for _, payload in outcomes]
+
+    def _dispatch(self, world: int, job: Callable, env: Dict[str, str], cwd: str,
+                  timeout: float, launch_env: bool, failed: Callable[[Any], bool]):
+        """``job`` on ranks 0..world-1: (their outcomes in rank order, stdout, stderr). Once
+        a rank has ``failed``, the ranks still running may wait forever in a collective with
+        it: they are killed after a grace period, and report ``None``."""
         if not 1 <= world <= self.max_world:
             raise ValueError(f"world={world} must be 1..{self.max_world}")
         self._ensure(world)
@@ -152,26 +235,43 @@ class RankPool:
             files = [(Path(tmp) / f"{r}.out", Path(tmp) / f"{r}.err") for r in range(world)]
             for rank, ((_, conn), (out, err)) in enumerate(zip(self._workers, files)):
                 rank_env = dict(base)
-                if world > 1:
+                if launch_env:
                     rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
                                     WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-                conn.send((target, rank_env, list(argv), str(cwd), str(out), str(err)))
-            results = []
-            for rank, (proc, conn) in enumerate(self._workers[:world]):
-                if not conn.poll(timeout):
-                    self.close()  # the other ranks may be stuck in a collective with it
-                    raise AssertionError(f"rank {rank} did not finish within {timeout}s:\n"
-                                         + _tails(files))
-                results.append(conn.recv())
+                conn.send((job, rank_env, str(cwd), str(out), str(err)))
+            results = self._collect(world, timeout, failed, files)
             stdout = "".join(out.read_text(errors="replace") for out, _ in files)
             stderr = "".join(err.read_text(errors="replace") for _, err in files)
         dirty = [f"rank {r}: {left}" for r, (_, left) in enumerate(results) if left]
         if dirty:
             self.close()
             raise AssertionError(f"the run left state behind: {'; '.join(dirty)}\n{stderr}")
-        code = next((c for c, _ in results if c != 0), 0)
-        return subprocess.CompletedProcess(["main", *argv], code, stdout, stderr)
+        return [outcome for outcome, _ in results], stdout, stderr
+
+    #: Seconds the other ranks get to finish once one has failed.
+    FAILURE_GRACE = 30.0
+
+    def _collect(self, world: int, timeout: float, failed: Callable[[Any], bool], files):
+        """Each rank's (outcome, what it left behind), waiting at most ``timeout``."""
+        conns = {self._workers[r][1]: r for r in range(world)}
+        results: Dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < world:
+            pending = [conn for conn, rank in conns.items() if rank not in results]
+            ready = wait(pending, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(set(range(world)) - set(results))
+                self.close(wait_s=0)  # stuck, e.g. in a collective with a failed rank
+                if any(failed(outcome) for outcome, _ in results.values()):
+                    return [results.get(r, (None, None)) for r in range(world)]
+                raise AssertionError(f"rank {late[0]} did not finish within {timeout}s:\n"
+                                     + _tails(files))
+            for conn in ready:
+                results[conns[conn]] = conn.recv()
+                if failed(results[conns[conn]][0]):
+                    deadline = min(deadline, time.monotonic() + self.FAILURE_GRACE)
+        return [results[r] for r in range(world)]
 
 
 def _tails(files) -> str:
@@ -180,6 +280,11 @@ def _tails(files) -> str:
 
 
 _POOL: Optional[RankPool] = None
+
+
+def distributed(fn: Callable, world: int, *args, timeout: float = 300.0) -> list:
+    """:meth:`RankPool.distributed` on the session's pool: ``run_distributed`` for tests."""
+    return pool().distributed(fn, world, *args, timeout=timeout)
 
 
 def pool() -> RankPool:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 import torch
 
 from megatron_boost.analysis.comm import LayerCommSpec, layer_comm_formula, measure_layer_comm_specs
@@ -105,7 +105,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def stats():
-    return run_distributed(_worker, 2)
+    return distributed(_worker, 2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
 
@@ -107,7 +107,7 @@ def _dropout_checks(cls, mask_type):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_compare_worker, 1)[0]
+    return distributed(_compare_worker, 1)[0]
 
 
 @pytest.mark.parametrize("case", ["mha", "gqa", "mha_padding", "gqa_padding"])

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 
 def _megatron_gpt_tp2_pp2(rank, world_size):
@@ -54,7 +54,7 @@ def _megatron_gpt_tp2_pp2(rank, world_size):
 
 
 def test_megatron_gpt_runs_on_cpu_tp2_pp2():
-    results = run_distributed(_megatron_gpt_tp2_pp2, 4)
+    results = distributed(_megatron_gpt_tp2_pp2, 4)
     last = [r for r in results if r["post"]]
     assert len(last) == 2
     # Three micro-batches reported by both last-stage TP ranks, identical, finite, near ln(64).

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_boost.testing.host_sync import HostSyncCounter
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 SEQ, MBS = 16, 2
 MAX_SYNCS_PER_STEP = 4
@@ -89,7 +89,7 @@ def _worker(rank, world, run_dir):
 
 @pytest.fixture(scope="module")
 def counts(tmp_path_factory):
-    return run_distributed(_worker, 1, str(tmp_path_factory.mktemp("host_sync")))[0]
+    return distributed(_worker, 1, str(tmp_path_factory.mktemp("host_sync")))[0]
 
 
 def test_host_syncs_per_step_do_not_grow_with_parameters_or_micro_batches(counts):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 MODES = ("full", "naive", "boost")
 SEED = 7
@@ -84,7 +84,7 @@ def _worker(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_worker, 2)
+    return distributed(_worker, 2)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 from megatron_boost.testing.layers import global_shapes, load_global_weights, shard_of
 
 pytestmark = [pytest.mark.fast, pytest.mark.compat]  # the tiers: docs/testing.md
@@ -169,7 +169,7 @@ def _all_cases(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_all_cases, 4)
+    return distributed(_all_cases, 4)
 
 
 FP32_CASES = list(itertools.product(KINDS, MODES, ACTS, TPS))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
              num_query_groups=4, vocab_size=100, attn_rank=16, mlp_rank=16)
@@ -95,7 +95,7 @@ def _run(rank, world):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_run, 4)
+    return distributed(_run, 4)
 
 
 CASES = [(tp, mode) for tp in (1, 2, 4) for mode in ("naive", "boost")]
@@ -167,7 +167,7 @@ def _dropout_grads(rank, world):
 def test_lowrank_recompute_replays_dropout():
     """The recompute restores the CPU, CUDA and RNG-tracker states of the forward, as megatron's
     checkpoint function does, so its dropout masks are the forward's: bitwise equal gradients."""
-    grads = run_distributed(_dropout_grads, 1)[0]
+    grads = distributed(_dropout_grads, 1)[0]
     plain, low = grads[False], grads[True]
     assert plain.keys() == low.keys()
     differ = [k for k in plain if not torch.equal(plain[k], low[k])]

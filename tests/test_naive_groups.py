@@ -4,7 +4,7 @@ one-rank groups."""
 
 from __future__ import annotations
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 
 def _group_calls(rank, world):
@@ -31,6 +31,6 @@ def _group_calls(rank, world):
 
 
 def test_each_rank_creates_only_its_own_group():
-    for rank, out in enumerate(run_distributed(_group_calls, 2)):
+    for rank, out in enumerate(distributed(_group_calls, 2)):
         assert out["calls"] == [[rank]], out
         assert out["size"] == 1 and out["members"] == [rank]

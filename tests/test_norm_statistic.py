@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
 
@@ -112,7 +112,7 @@ def _forward_events(layer, x):
 
 @pytest.fixture(scope="module")
 def res():
-    return run_distributed(_worker, 2)[0]
+    return distributed(_worker, 2)[0]
 
 
 def test_bf16_statistic_is_fp32_and_replayed_exactly(res):

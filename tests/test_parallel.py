@@ -27,7 +27,7 @@ from megatron_boost.testing.verification import (
     run_layout,
     run_many,
 )
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 pytestmark = pytest.mark.compat
 
@@ -124,7 +124,7 @@ def results(request):
     out, refs = {}, {}
     if refs_needed:
         ref_specs = list(refs_needed.values())
-        ref_out, tp1 = run_distributed(_references, 1, ref_specs, boost1)[0]
+        ref_out, tp1 = distributed(_references, 1, ref_specs, boost1)[0]
         refs = dict(zip(refs_needed.keys(), ref_out))
         if boost1:
             out["boost-tp1-vs-naive-tp1"] = [tp1]
@@ -134,7 +134,7 @@ def results(request):
         if not layouts and not collective_specs:
             continue
         jobs = [(spec, refs[_ref_key(spec)]) for _, spec in layouts]
-        per_rank = run_distributed(_world_jobs, world, jobs, collective_specs, timeout=600)
+        per_rank = distributed(_world_jobs, world, jobs, collective_specs, timeout=600)
         for i, (name, _) in enumerate(layouts):
             out[name] = [rank_layouts[i] for rank_layouts, _ in per_rank]
         for i, spec in enumerate(collective_specs):

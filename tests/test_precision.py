@@ -16,12 +16,12 @@ from __future__ import annotations
 import pytest
 
 from megatron_boost.cli.precision_check import bf16_error_worker
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 
 @pytest.fixture(scope="module")
 def errors():
-    rows = run_distributed(bf16_error_worker, 2, "configs/debug.yaml", [],
+    rows = distributed(bf16_error_worker, 2, "configs/debug.yaml", [],
                            ["full", "naive", "boost"])[0]
     return {r["mode"]: r for r in rows}
 

@@ -1,15 +1,19 @@
-"""The rank pool (tests/rank_pool.py) that the trainer tests run on: a run in it is the run a
-torchrun launch makes, and a run that leaves state behind in its processes fails."""
+"""The rank pool (tests/rank_pool.py) that the trainer tests and the gloo jobs run on: a run in
+it is the run a torchrun launch makes, a gloo job returns what ``run_distributed`` returns, and
+a run or job that leaves state behind in its processes fails."""
 
 from __future__ import annotations
 
 import os
 import re
+import time
 
 import pytest
+import torch
 
 from tests.convert_fixtures import torchrun
-from tests.rank_pool import pool
+from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed, pool
 from tests.test_training import DEBUG, ROOT, _env, losses, metrics, run_training
 
 RUN = ["parallel.tp=2", "training.train_iters=3", "training.eval_interval=3",
@@ -67,3 +71,60 @@ def test_a_failing_rank_gives_the_status_and_output_of_a_failed_launch(tmp_path)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "hiden_size" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def gloo_facts(rank, world, seed):
+    """A gloo job's view: its rank and world, CPU mode, the device megatron's code gets, and
+    a reduction over the group of a seeded draw."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_boost.runtime.cpu_mode import is_cpu_mode
+
+    torch.manual_seed(seed + rank)
+    value = torch.randn(4)
+    dist.all_reduce(value)
+    return {"rank": (rank, dist.get_rank()), "world": (world, dist.get_world_size()),
+            "cpu": is_cpu_mode(), "device": torch.empty(1, device="cuda").device.type,
+            "sum": value}
+
+
+def test_a_gloo_job_returns_what_run_distributed_returns():
+    spawned = run_distributed(gloo_facts, 2, 7)
+    pooled = distributed(gloo_facts, 2, 7)
+    assert [r["rank"] for r in pooled] == [(0, 0), (1, 1)]
+    assert all(r["world"] == (2, 2) and r["cpu"] and r["device"] == "cpu" for r in pooled)
+    for a, b in zip(spawned, pooled):
+        assert torch.equal(a.pop("sum"), b.pop("sum")) and a == b
+
+
+def fail_on_rank_1(rank, world):
+    """Rank 1 fails; rank 0 never returns (as a rank stuck in a collective does)."""
+    import time
+
+    if rank == 1:
+        raise ValueError("rank 1 broke")
+    time.sleep(600)
+
+
+def test_a_failing_gloo_rank_raises_its_traceback_and_the_waiting_rank_is_ended(monkeypatch):
+    monkeypatch.setattr(pool(), "FAILURE_GRACE", 1.0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)--- rank 1 ---.*ValueError: rank 1 broke"):
+        distributed(fail_on_rank_1, 2, timeout=120)
+    assert time.monotonic() - start < 60  # ended after the grace, not at the timeout
+    assert distributed(gloo_facts, 1, 0)[0]["world"] == (1, 1)  # new processes, working
+
+
+class _Forgotten(torch.overrides.TorchFunctionMode):
+    pass
+
+
+def enter_a_function_mode(rank, world):
+    """A job that enters a torch function mode and never leaves it."""
+    _Forgotten().__enter__()
+
+
+def test_a_gloo_job_that_leaves_a_function_mode_fails():
+    with pytest.raises(AssertionError, match="left state behind: rank 0: .*a torch function mode"):
+        distributed(enter_a_function_mode, 1)

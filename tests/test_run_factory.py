@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
              vocab_size=300, seq_length=16, attn_rank=16, mlp_rank=16, rotary_base=5000)
@@ -101,7 +101,7 @@ def _both_modes(rank, world, run_dirs: dict) -> dict:
 @pytest.fixture(scope="module")
 def built_modes(tmp_path_factory):
     run_dirs = {mode: str(tmp_path_factory.mktemp(f"factory-{mode}")) for mode in MODES}
-    return run_distributed(_both_modes, 1, run_dirs, timeout=600)[0]
+    return distributed(_both_modes, 1, run_dirs, timeout=600)[0]
 
 
 @pytest.fixture(params=MODES)

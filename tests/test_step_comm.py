@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_boost.runtime.spawn import run_distributed
+from tests.rank_pool import distributed
 
 CASES = {
     "full": ["parallel.mode=full"],
@@ -67,7 +67,7 @@ def _worker(rank, world, run_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("step_comm")),
+    return distributed(_worker, 2, str(tmp_path_factory.mktemp("step_comm")),
                            timeout=600)
 
 

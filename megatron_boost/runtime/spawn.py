@@ -1,4 +1,5 @@
-"""Spawn gloo worker processes on localhost (tests and tools/verify_parallel.py).
+"""Spawn gloo worker processes on localhost (the verification, benchmark, precision and
+communication tools).
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, initialises a gloo
 process group in each, activates megatron-boost's CPU mode, runs ``fn(rank, world_size, *args)``
