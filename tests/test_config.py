@@ -1,12 +1,15 @@
 """Configuration: validation rules (one test each), strict YAML loading, dotted overrides."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_boost.config.resolved import check_model_rules, resolve_run, to_transformer_config
+from megatron_boost.config.modes import TPMode
 from megatron_boost.config.run import load_run_config, reference_yaml
-from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
+from megatron_boost.config.transformer import BoostTransformerConfig
 
 pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
 
@@ -121,3 +124,21 @@ def test_overlap_bottleneck_grad_reduce_is_settable():
     assert to_transformer_config(default).overlap_bottleneck_grad_reduce is True
     cfg = load_run_config(None, ["parallel.overlap_bottleneck_grad_reduce=false"])
     assert to_transformer_config(resolve_run(cfg, "cpu")).overlap_bottleneck_grad_reduce is False
+
+
+def test_checking_a_configuration_imports_neither_torch_nor_megatron():
+    """``--check`` (submit.sh on a login node) and the perf model load and validate a
+    configuration without torch or megatron-core, which take seconds to import."""
+    code = ("import sys\n"
+            "from megatron_boost.cli import perf_model, pretrain\n"
+            "assert pretrain.main(['--check', '--world-size', '2', '--config',\n"
+            "                      'configs/debug.yaml', 'parallel.tp=2']) == 0\n"
+            "assert pretrain.main(['--check', '--config', 'configs/debug.yaml',\n"
+            "                      'model.hidden_size=3']) == 2\n"
+            "assert perf_model.main(['--config', 'configs/debug.yaml', '--tp', '2',\n"
+            "                         '--modes', 'boost']) == 0\n"
+            "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout[-2000:]

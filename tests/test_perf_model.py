@@ -329,7 +329,7 @@ def test_tp_divisibility_is_the_trainers_rule():
     """The perf model accepts exactly the layouts the trainer accepts (config.transformer's
     check_tp_split): boost never shards the rank, so a rank that tp does not divide is a valid
     boost layout and an invalid naive one."""
-    from megatron_boost.config.transformer import check_tp_split
+    from megatron_boost.config.modes import check_tp_split
 
     shape = ModelShape(name="odd-rank", num_layers=2, hidden=512, ffn=1024, heads=8,
                        vocab=32000, seq_length=256, attn_rank=100, mlp_rank=100)

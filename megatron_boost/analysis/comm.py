@@ -15,20 +15,23 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
-import torch
-
-from megatron_boost.analysis.collectives import CommLog, record_collectives
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
 
-__all__ = ["MODES", "DTYPES", "tp_comm_widths", "fp32_statistic_columns",
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_boost.analysis.collectives import CommLog
+# The formulas are plain Python (the perf model and its CLI import them); torch, megatron-core
+# and the collective recorder are imported by the measuring functions that use them.
+
+__all__ = ["MODES", "tp_comm_widths", "fp32_statistic_columns",
            "layer_comm_formula", "layer_comm_bytes_per_token", "StepCommShape",
            "step_comm_bytes", "LayerCommSpec",
            "comm_summary", "measure_layer_comm", "measure_layer_comm_specs",
            "layer_comm_worker", "build_decoder_layer"]
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 #: megatron's vocab-parallel cross entropy all-reduces three fp32 values per token forward (the
 #: maximum logit, the target logit and the sum of exponentials), whatever the activation dtype.
@@ -183,6 +186,10 @@ def comm_summary(log: CommLog, tokens: int) -> Dict[str, Any]:
 
 def measure_layer_comm(layer: torch.nn.Module, x: torch.Tensor, group) -> CommLog:
     """Run ``layer`` forward and backward on ``x`` ([s, b, width]) while recording ``group``."""
+    import torch
+
+    from megatron_boost.analysis.collectives import record_collectives
+
     with record_collectives(group) as log:
         out = layer(x, attention_mask=None)
         out = out[0] if isinstance(out, tuple) else out
@@ -221,7 +228,7 @@ def build_decoder_layer(config, pgs=None):
     attention / MLP and the real TP group for their bottlenecks."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_boost.config.transformer import TPMode
+    from megatron_boost.config.modes import TPMode
     from megatron_boost.model.specs import default_pg_collection, get_layer_spec, \
         replicated_decoder_pgs
 
@@ -251,20 +258,21 @@ def layer_comm_worker(rank: int, world: int, specs) -> Any:
 def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[Dict[str, Any]]:
     """:func:`layer_comm_worker`'s measurement, in a process whose megatron parallel state is
     already initialised with TP = every spec's tp."""
+    import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_boost.config.modes import TPMode
     from megatron_boost.config.resolved import resolve_run, to_transformer_config
-    from megatron_boost.config.transformer import TPMode
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     results = []
     for spec in specs:
         cfg = _run_config(spec)
-        dtype = DTYPES[spec.dtype]
         model_parallel_cuda_manual_seed(spec.seed)
         torch.manual_seed(spec.seed)
         run = resolve_run(cfg, vocab_size=cfg.model.vocab_size).with_precision(spec.dtype)
+        dtype = run.params_dtype
         config = to_transformer_config(run)
         layer = build_decoder_layer(config)
         d = config.hidden_size

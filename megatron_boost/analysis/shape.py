@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from megatron_boost.config.transformer import TPMode, default_rank
+from megatron_boost.config.modes import TPMode, default_rank
 
 __all__ = ["ModelShape", "Projection", "MODES", "check_mode"]
 
-#: The mode names, from the one enum (``config.transformer.TPMode``).
+#: The mode names, from the one enum (``config.modes.TPMode``).
 MODES = tuple(m.value for m in TPMode)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import List, Optional
 
 from megatron_boost.cli.arg_types import positive_int
@@ -98,7 +99,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = False  # the processes have started: groups, model, data (set-up, then training)
     try:
         from megatron_boost.config.run import load_run_config
-        from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found
 
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
         cfg = load_run_config(args.config, args.overrides, world_size=world_size)
@@ -109,6 +109,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             from megatron_boost.config.validation import budget_line
 
             print(budget_line(cfg), flush=True)
+        from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found
+
         with cpu_mode_left_as_found():  # main(argv) may be called in a process that goes on
             device = select_device(cfg.training.device)
             from megatron_boost.train.trainer import train
@@ -121,9 +123,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         _print_error(err, started)
         return CONFIG_ERROR_EXIT_CODE if isinstance(err, ValueError) else FAULT_EXIT_CODE
     finally:
-        from megatron_boost.train.distributed import shutdown
-
-        shutdown()
+        # Groups exist only if the training modules were imported (a --check never imports them,
+        # nor megatron-core: it stays quick on a login node).
+        if "megatron_boost.train.distributed" in sys.modules:
+            sys.modules["megatron_boost.train.distributed"].shutdown()
 
 
 if __name__ == "__main__":

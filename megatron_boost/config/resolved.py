@@ -21,7 +21,8 @@ from typing import Any, Optional
 import torch
 
 from megatron_boost.config.run import RunConfig
-from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
+from megatron_boost.config.modes import TPMode
+from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.runtime.backends import resolve_attention_backend, te_available
 
 __all__ = ["ResolvedRun", "resolve_run", "resolve_device", "resolve_precision",

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from megatron_boost.config.transformer import default_rank
+from megatron_boost.config.modes import default_rank
 from megatron_boost.config.yaml_io import read_yaml_mapping
 from megatron_boost.config.validation import validate_run_config
 from megatron_boost.data.datasets import DataConfig

@@ -1,5 +1,6 @@
-"""Bottleneck model configuration: the tensor-parallel mode enum, bottleneck activations, and
-``BoostTransformerConfig``, megatron-core's TransformerConfig extended with the low-rank settings.
+"""Bottleneck model configuration: the bottleneck activations and ``BoostTransformerConfig``,
+megatron-core's TransformerConfig extended with the low-rank settings (the mode enum and the
+size rules it checks are in ``megatron_boost/config/modes.py``).
 
 The layers receive this object as Megatron's ``config=`` argument (through ``build_module``), so
 every setting they need travels explicitly with the config; nothing is read from globals.
@@ -7,52 +8,21 @@ every setting they need travels explicitly with the config; nothing is read from
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
+from megatron_boost.config.modes import TPMode, check_tp_split
+
 __all__ = [
-    "TPMode",
     "BoostTransformerConfig",
     "BOTTLENECK_ACTIVATIONS",
     "register_bottleneck_activation",
     "get_bottleneck_activation",
-    "default_rank",
-    "tp_sharded_sizes",
-    "check_divisible_by_tp",
-    "check_tp_split",
 ]
-
-
-class TPMode(str, enum.Enum):
-    """How a decoder is tensor-parallelised (docs/design.md §2)."""
-
-    FULL = "full"
-    """Full-rank model, megatron-core's own column/row-parallel TP (baseline 1)."""
-    NAIVE = "naive"
-    """Bottleneck model, each (A, B) pair parallelised like a Megatron MLP: A column-parallel,
-    B row-parallel + all-reduce of the output; replicated residual stream (baseline 2)."""
-    BOOST = "boost"
-    """Bottleneck model with BOOST's bottleneck-aware TP: hidden-sharded residual stream, one
-    all-reduce of the r-wide bottleneck per projection group (the product)."""
-
-    @classmethod
-    def parse(cls, value) -> "TPMode":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(
-                f"tp_mode ({value!r}) must be one of {[m.value for m in cls]}") from None
-
-    @property
-    def is_lowrank(self) -> bool:
-        return self is not TPMode.FULL
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -166,54 +136,3 @@ class BoostTransformerConfig(TransformerConfig):
                        num_attention_heads=self.num_attention_heads,
                        num_query_groups=self.num_query_groups, attn_rank=self.attn_rank,
                        mlp_rank=self.mlp_rank)
-
-
-def default_rank(hidden_size: int, rank_ratio: float = 0.25) -> int:
-    """The bottleneck rank when none is given: round(rank_ratio · d), at least 1 (CoLA uses
-    about d/4)."""
-    return max(1, int(round(rank_ratio * hidden_size)))
-
-
-def tp_sharded_sizes(mode, *, hidden_size: int, ffn_hidden_size: Optional[int],
-                     num_attention_heads: int, num_query_groups: Optional[int],
-                     attn_rank: Optional[int], mlp_rank: Optional[int]
-                     ) -> List[Tuple[str, int, str]]:
-    """(name, size, why) of every size that ``mode`` splits over the TP ranks (docs/design.md
-    §2). boost never shards the rank (the bottleneck is replicated after its all-reduce)."""
-    mode = TPMode.parse(mode)
-    groups = num_query_groups if num_query_groups is not None else num_attention_heads
-    sizes = []
-    if mode is TPMode.NAIVE:
-        sizes += [(name, value, "A is split along the rank")
-                  for name, value in (("attn_rank", attn_rank), ("mlp_rank", mlp_rank))]
-    if mode is TPMode.BOOST:
-        sizes.append(("hidden_size", hidden_size,
-                      "the residual stream is sharded along the hidden dimension"))
-    if mode in (TPMode.BOOST, TPMode.FULL) and ffn_hidden_size is not None:
-        sizes.append(("ffn_hidden_size", ffn_hidden_size,
-                      "the MLP is sharded along the ffn dimension"))
-    # megatron's TransformerConfig requires heads and groups to divide in every mode (full
-    # and boost shard attention by heads, each rank holding whole key/value groups).
-    sizes += [("num_attention_heads", num_attention_heads, "attention is split by heads"),
-              ("num_query_groups", groups, "each rank holds whole key/value groups")]
-    return sizes
-
-
-def check_divisible_by_tp(tp: int, sizes: Iterable[Tuple[str, int, str]], mode) -> None:
-    """Raise ValueError naming the first (name, size, why) not divisible by ``tp``."""
-    for name, size, why in sizes:
-        if size is not None and size % tp:
-            raise ValueError(
-                f"{name} ({size}) must be divisible by tensor_model_parallel_size ({tp}) in "
-                f"{TPMode.parse(mode).value} mode ({why}); choose a multiple of {tp}")
-
-
-def check_tp_split(mode, tp: int, **sizes) -> None:
-    """The one TP-divisibility rule (config validation, the layers' model, the perf model):
-    every size :func:`tp_sharded_sizes` lists divides by ``tp``, and heads by query groups."""
-    check_divisible_by_tp(tp, tp_sharded_sizes(mode, **sizes), mode)
-    heads = sizes["num_attention_heads"]
-    groups = sizes.get("num_query_groups") or heads
-    if heads % groups:
-        raise ValueError(
-            f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")

@@ -6,7 +6,7 @@ also the data files, the world layout, the batch split over data-parallel ranks,
 the learning-rate schedule and the intervals.
 The model-shape rules belong to :class:`~megatron_boost.config.transformer.BoostTransformerConfig`
 (megatron configs validate themselves in ``__post_init__``) and are not repeated here; the one
-tensor-parallel divisibility rule (``config.transformer.check_tp_split``) is called here as
+tensor-parallel divisibility rule (``config.modes.check_tp_split``) is called here as
 well, so that a layout it refuses stops before any rank starts.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_boost.config.transformer import TPMode, check_tp_split
+from megatron_boost.config.modes import TPMode, check_tp_split
 from megatron_boost.runtime.backends import check_attention_backend
 
 __all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations",

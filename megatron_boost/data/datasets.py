@@ -20,9 +20,12 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used: loading a configuration (DataConfig) must not import it
+# (megatron_boost/config/modes.py says why).
 
 __all__ = [
     "DataConfig",
@@ -253,6 +256,8 @@ def _rank_zero_without_process_group():
     raises when no process group is initialized. A single process is rank 0, so answer that
     while the datasets are built; with a process group nothing is changed.
     """
+    import torch
+
     if torch.distributed.is_initialized():
         yield
         return
@@ -367,6 +372,8 @@ def get_batch(data_iterator: Optional[Iterator]) -> Optional[dict[str, torch.Ten
     (float32, ``[b, s]``), plus ``attention_mask`` if the dataset produced one. Returns ``None``
     when ``data_iterator`` is ``None`` (pipeline stages that read no data).
     """
+    import torch
+
     if data_iterator is None:
         return None
     batch = next(data_iterator)

@@ -42,7 +42,8 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
+from megatron_boost.config.modes import TPMode
+from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.specs import (
     default_pg_collection,
     get_layer_spec,

@@ -40,8 +40,8 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size, make_tp_sharded_tensor_for_checkpoint
 
 from megatron_boost.compat import linear_with_dgrad_allreduce
-from megatron_boost.config.transformer import (
-    BoostTransformerConfig, TPMode, check_divisible_by_tp, get_bottleneck_activation)
+from megatron_boost.config.modes import TPMode, check_divisible_by_tp
+from megatron_boost.config.transformer import BoostTransformerConfig, get_bottleneck_activation
 from megatron_boost.model.init import cola_init_
 from megatron_boost.model.online_rmsnorm import (
     inverse_rms,

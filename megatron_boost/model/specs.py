@@ -30,7 +30,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_boost.compat import local_layer_spec, spec_submodules, te_layer_spec
-from megatron_boost.config.transformer import BoostTransformerConfig, TPMode
+from megatron_boost.config.modes import TPMode
+from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.attention import core_attention_class
 from megatron_boost.model.layers import (
     BottleneckGroup,

@@ -84,7 +84,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from megatron_boost.analysis.comm import tp_comm_widths
 from megatron_boost.analysis.flops import step_flops
 from megatron_boost.analysis.shape import MODES, ModelShape
-from megatron_boost.config.transformer import check_tp_split
+from megatron_boost.config.modes import check_tp_split
 from megatron_boost.perf.hardware import (BYTES_ACT, BYTES_GRAD, BYTES_OPTIM, BYTES_WEIGHT,
                                           CE_BYTES_BWD, CE_BYTES_FWD,
                                           OPTIMIZER_BYTES_PER_PARAM, HardwareSpec)
