@@ -1,6 +1,6 @@
 """naive mode's one-rank decoder group (megatron_boost/model/specs.py, docs/design.md §2): each
 rank creates only its own group, with one call, instead of every rank creating all world-size
-one-rank groups."""
+one-rank groups; a process whose process group is created again gets a new one."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def _group_calls(rank, world):
 
 
 def test_each_rank_creates_only_its_own_group():
-    for rank, out in enumerate(distributed(_group_calls, 2)):
-        assert out["calls"] == [[rank]], out
-        assert out["size"] == 1 and out["members"] == [rank]
+    # twice in the same processes (the rank pool keeps them): the second job's process group
+    # is a new one, and the group made for the first was destroyed with the first's
+    for _ in range(2):
+        for rank, out in enumerate(distributed(_group_calls, 2)):
+            assert out["calls"] == [[rank]], out
+            assert out["size"] == 1 and out["members"] == [rank]

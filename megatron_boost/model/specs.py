@@ -51,12 +51,16 @@ _SELF_GROUP = {}
 
 
 def _self_group():
-    """A process group holding only this rank, created once per process. With
+    """A process group holding only this rank, created once per default process group. With
     ``use_local_synchronization`` only the group's members take part in its creation, so each
     rank makes one call for its own group instead of every rank creating all world-size
-    one-rank groups (O(world) collective calls)."""
-    if "group" not in _SELF_GROUP:
-        _SELF_GROUP["group"] = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    one-rank groups (O(world) collective calls). A process that initialises torch.distributed
+    again (``main(argv)`` run twice in one process) gets a new one: the old group was destroyed
+    with the old default group."""
+    world = dist.group.WORLD
+    if _SELF_GROUP.get("world") is not world:
+        _SELF_GROUP.update(world=world, group=dist.new_group([dist.get_rank()],
+                                                             use_local_synchronization=True))
     return _SELF_GROUP["group"]
 
 
