@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import importlib
 import io
 import multiprocessing as mp
@@ -42,6 +43,11 @@ from megatron_boost.runtime.spawn import free_port
 
 #: What a rank runs: the function ``pretrain_lowrank.py`` calls.
 ENTRY = "megatron_boost.cli.pretrain:main"
+
+#: A rank process retires after a job that leaves it with more threads than this: a gloo
+#: group's polling thread can outlive the group (about one per trainer run after garbage
+#: collection), and each costs CPU for the rest of the session.
+MAX_THREADS = 48
 
 #: torchrun's variables: set per run for a world of several ranks, never left behind.
 _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -66,11 +72,17 @@ def _serve(conn) -> None:
         os.environ.update(env)
         os.chdir(cwd)
         outcome = _redirected(job, out_path, err_path)
+        # What the job dropped is freed now, not at some later allocation: the gloo groups it
+        # made each keep a polling thread until their last reference goes.
+        gc.collect()
         leftover = _process_left_dirty()
         os.chdir(base_cwd)
         os.environ.clear()
         os.environ.update(base_env)
-        conn.send((outcome, leftover))
+        retiring = len(os.listdir("/proc/self/task")) > MAX_THREADS
+        conn.send((outcome, leftover, retiring))
+        if retiring:
+            return  # the pool starts a fresh process for the next job
 
 
 def _redirected(job: Callable[[], Any], out_path: str, err_path: str) -> Any:
@@ -243,11 +255,19 @@ class RankPool:
             results = self._collect(world, timeout, failed, files)
             stdout = "".join(out.read_text(errors="replace") for out, _ in files)
             stderr = "".join(err.read_text(errors="replace") for _, err in files)
-        dirty = [f"rank {r}: {left}" for r, (_, left) in enumerate(results) if left]
+        self._drop_retired([r for r, (_, _, retiring) in enumerate(results) if retiring])
+        dirty = [f"rank {r}: {left}" for r, (_, left, _) in enumerate(results) if left]
         if dirty:
             self.close()
             raise AssertionError(f"the run left state behind: {'; '.join(dirty)}\n{stderr}")
-        return [outcome for outcome, _ in results], stdout, stderr
+        return [outcome for outcome, _, _ in results], stdout, stderr
+
+    def _drop_retired(self, ranks: List[int]) -> None:
+        """Forget the processes of ``ranks``, which exit after their job (MAX_THREADS)."""
+        retired = [self._workers[r] for r in ranks if r < len(self._workers)]  # none if closed
+        for proc, _ in retired:
+            proc.join(timeout=30)
+        self._workers = [w for w in self._workers if w not in retired]
 
     #: Seconds the other ranks get to finish once one has failed.
     FAILURE_GRACE = 30.0
@@ -263,8 +283,8 @@ class RankPool:
             if not ready:
                 late = sorted(set(range(world)) - set(results))
                 self.close(wait_s=0)  # stuck, e.g. in a collective with a failed rank
-                if any(failed(outcome) for outcome, _ in results.values()):
-                    return [results.get(r, (None, None)) for r in range(world)]
+                if any(failed(outcome) for outcome, _, _ in results.values()):
+                    return [results.get(r, (None, None, False)) for r in range(world)]
                 raise AssertionError(f"rank {late[0]} did not finish within {timeout}s:\n"
                                      + _tails(files))
             for conn in ready:

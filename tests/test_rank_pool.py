@@ -128,3 +128,23 @@ def enter_a_function_mode(rank, world):
 def test_a_gloo_job_that_leaves_a_function_mode_fails():
     with pytest.raises(AssertionError, match="left state behind: rank 0: .*a torch function mode"):
         distributed(enter_a_function_mode, 1)
+
+
+def leave_threads(rank, world, count):
+    """A job that leaves ``count`` threads running (as leaked gloo polling threads do); its
+    process id."""
+    import threading
+
+    stop = threading.Event()
+    for _ in range(count):
+        threading.Thread(target=stop.wait, daemon=True).start()
+    return os.getpid()
+
+
+def test_a_process_left_with_too_many_threads_is_replaced():
+    from tests.rank_pool import MAX_THREADS
+
+    first = distributed(leave_threads, 1, 0)[0]
+    assert distributed(leave_threads, 1, MAX_THREADS)[0] == first  # kept until now
+    replaced = distributed(leave_threads, 1, 0)[0]
+    assert replaced != first and distributed(leave_threads, 1, 0)[0] == replaced
