@@ -148,3 +148,22 @@ def test_a_process_left_with_too_many_threads_is_replaced():
     assert distributed(leave_threads, 1, MAX_THREADS)[0] == first  # kept until now
     replaced = distributed(leave_threads, 1, 0)[0]
     assert replaced != first and distributed(leave_threads, 1, 0)[0] == replaced
+
+
+def test_rendezvous_ports_are_drawn_below_the_ephemeral_range():
+    """The pool's and ``run_distributed``'s rendezvous port: bindable, outside the range the
+    kernel gives outgoing connections (another process's gloo connections would otherwise take
+    it before the store binds it), and not the same sequence in processes seeded alike."""
+    import random
+
+    from megatron_boost.runtime import spawn
+
+    low, _ = spawn._ephemeral_ports()
+    ports = [spawn.free_port() for _ in range(200)]
+    assert all(low - spawn._PORT_WINDOW <= p < low for p in ports), sorted(ports)[-5:]
+    assert all(spawn._can_bind(p) for p in ports[:20])
+    draws = []
+    for _ in range(2):
+        random.seed(1234)  # as training seeds every rank
+        draws.append([spawn.free_port() for _ in range(8)])
+    assert draws[0] != draws[1]

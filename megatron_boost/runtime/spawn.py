@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import socket
 import traceback
 
@@ -19,8 +20,45 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
+#: Its own generator: the global one is seeded by training, so processes seeded alike would
+#: all try the same ports in the same order.
+_PORT_RNG = random.Random()
+
+#: How many ports below the kernel's ephemeral range a rendezvous port is drawn from.
+_PORT_WINDOW = 8192
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel assigns ports from (bind to port 0, outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default; also the IANA dynamic range starts at 49152
+
+
+def _can_bind(port: int) -> bool:
     with socket.socket() as s:
+        try:
+            s.bind(("", port))  # all interfaces, as the rendezvous store binds
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port free now for a rendezvous store, drawn from the window just below the
+    kernel's ephemeral range. A port the kernel hands out is also what it hands the next
+    outgoing connection: with gloo groups of other processes connecting on the machine, such a
+    port can be taken between this check and the store's bind (EADDRINUSE)."""
+    low, _ = _ephemeral_ports()
+    if low - _PORT_WINDOW >= 1024:
+        for _ in range(64):
+            port = _PORT_RNG.randrange(low - _PORT_WINDOW, low)
+            if _can_bind(port):
+                return port
+    with socket.socket() as s:  # no room below the range (or all taken): the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
