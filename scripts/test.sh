@@ -2,7 +2,9 @@
 # The test command: set up (or reuse) the environment, then run the pytest suite.
 #   scripts/test.sh          everything (CI)
 #   scripts/test.sh --fast   the fast tier only (pytest -m fast; docs/testing.md)
-# Extra arguments go to pytest (e.g. scripts/test.sh -k layers -x).
+# Extra arguments go to pytest (e.g. scripts/test.sh -k layers -x; -n 0 runs in one process).
+# Tests run in TEST_WORKERS pytest-xdist workers (default 2: one per core of the 2-core machine
+# the budgets are set on; tests/conftest.py says how files are shared out).
 set -euo pipefail
 tier=()
 if [ "${1:-}" = "--fast" ]; then
@@ -42,4 +44,4 @@ fi
 # bytecode for the others (an environment that sets PYTHONDONTWRITEBYTECODE would recompile
 # megatron_boost in every one of them).
 unset PYTHONDONTWRITEBYTECODE
-python -m pytest -q ${tier[@]+"${tier[@]}"} "$@"
+python -m pytest -q -n "${TEST_WORKERS:-2}" ${tier[@]+"${tier[@]}"} "$@"

@@ -27,7 +27,7 @@ python -m megatron_boost  # the versions under test, in the CI log (exit 1 outsi
 # kill -> relaunch with synchronous and asynchronous saves, export -> HF logits and import.
 status=0
 unset PYTHONDONTWRITEBYTECODE  # compile the package once for the tier's many processes
-python -m pytest -q -p no:cacheprovider -m compat "$@" || status=$?
+python -m pytest -q -n "${TEST_WORKERS:-2}" -p no:cacheprovider -m compat "$@" || status=$?
 if [ "$status" = 5 ]; then
   echo "test_compat.sh: error: pytest collected no tests (exit 5); the compatibility tier" \
     "must run the compat-marked tests" >&2

@@ -1,6 +1,7 @@
 """Shared fixtures."""
 
 import os
+from pathlib import Path
 import signal
 import sys
 
@@ -124,3 +125,50 @@ def leaves_nothing_active(request):
         _reset_process_state()
         pytest.fail(f"{request.node.nodeid} left process state changed (before, after): "
                     f"{changed}", pytrace=False)
+
+
+
+
+# Two workers (scripts/test.sh runs ``pytest -n 2``, pytest-xdist): each takes whole files, so
+# a file's module fixtures are built once, and the files below that share something take one
+# group together.
+
+#: Files that share one worker: the Slurm files start clusters on fixed ports (one per machine
+#: at a time), and the conversion files share the session's trained checkpoints.
+_WORKER_GROUPS = {"test_slurm": "slurm", "test_slurm_training": "slurm",
+                  "test_convert": "checkpoints", "test_lm_eval": "checkpoints"}
+
+#: The groups that take longest (pytest's slowest-tests list), handed out first so that the two
+#: workers finish together; the rest follow in collection order. Only the balance depends on it.
+_LONGEST_FIRST = ("slurm", "test_fault_tolerance", "checkpoints", "test_readme_walkthrough",
+                  "test_training", "test_accounting", "test_lowrank_recompute",
+                  "test_gpu_check", "test_rank_pool", "test_parallel", "test_bf16_training")
+
+
+def worker_group(nodeid: str) -> str:
+    """The unit a worker takes whole: the test's file, or its group in ``_WORKER_GROUPS``."""
+    module = Path(nodeid.split("::", 1)[0]).stem
+    return _WORKER_GROUPS.get(module, module)
+
+
+def pytest_collection_modifyitems(config, items):
+    """In an xdist worker (whose collection order is the order the groups are handed out),
+    the longest groups first."""
+    if not hasattr(config, "workerinput"):
+        return
+    first = {group: i for i, group in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(worker_group(item.nodeid), len(first)))  # stable
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's ``loadfile``, with the groups of ``_WORKER_GROUPS`` and in collection order
+    (its ``xdist_group`` marker does not group under pytest 9, and its ``loadscope`` orders
+    the groups by their number of tests, not by their time)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    config.option.loadscopereorder = False
+    return FileGroupScheduling(config, log)

@@ -6,15 +6,24 @@
   deadline: ``communicate(timeout=...)``, ``wait(timeout=...)`` or a polling loop.)
 * Every marker used in tests/ is registered in pyproject.toml (pytest runs with
   ``--strict-markers``, this names the offender without running the suite).
+* Under pytest-xdist (scripts/test.sh runs two workers) a file's tests, and the files of a
+  group of tests/conftest.py, run on one worker; every file the grouping names exists.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+from tests import conftest
 
 pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
 
@@ -55,3 +64,48 @@ def test_every_marker_used_is_registered():
     builtin = {"parametrize", "skip", "skipif", "xfail", "usefixtures", "filterwarnings"}
     assert {"fast", "compat"} <= registered
     assert used - builtin <= registered, used - builtin - registered
+
+
+def test_every_file_the_worker_groups_name_exists():
+    files = {path.stem for path in TESTS.glob("test_*.py")}
+    named = set(conftest._WORKER_GROUPS)
+    groups = {conftest.worker_group(f"tests/{stem}.py::t") for stem in files}
+    assert named <= files, named - files
+    assert set(conftest._LONGEST_FIRST) <= groups, set(conftest._LONGEST_FIRST) - groups
+
+
+_RECORDING_TEST = """
+import os, time
+import pytest
+
+@pytest.mark.parametrize("i", range(6))
+def test_records_its_worker(i):
+    time.sleep(0.05)
+    with open(os.environ["WORKER_RECORD"], "a") as f:
+        f.write(__name__ + " " + os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+
+def test_two_workers_keep_each_file_and_each_group_on_one_worker(tmp_path):
+    """Test files named like the suite's, with tests/conftest.py, under ``-n 2``: the two Slurm
+    files share one worker (their clusters use fixed ports), the two conversion files share
+    one (the trained checkpoints), every other file stays whole, and both workers ran tests."""
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    stems = ["test_slurm", "test_slurm_training", "test_convert", "test_lm_eval",
+             "test_alpha", "test_beta", "test_gamma"]
+    for stem in stems:
+        (tmp_path / f"{stem}.py").write_text(_RECORDING_TEST)
+    record = tmp_path / "workers.txt"
+    env = dict(os.environ, WORKER_RECORD=str(record))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p",
+                           "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path),
+                           str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    workers = defaultdict(set)  # file or group -> the workers that ran its tests
+    for line in record.read_text().splitlines():
+        module, worker = line.split()
+        workers[conftest.worker_group(f"{module}.py::t")].add(worker)
+    assert set(workers) == {"slurm", "checkpoints", "test_alpha", "test_beta", "test_gamma"}
+    assert all(len(ran) == 1 for ran in workers.values()), dict(workers)
+    assert len(set().union(*workers.values())) == 2, dict(workers)
