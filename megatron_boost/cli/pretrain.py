@@ -8,10 +8,10 @@ A ``ValueError`` raised before training starts (configuration, data, layout, che
 the process with one line, ``error: <message>`` on stderr, and exit status 2; a fault during
 training (too many consecutive non-finite steps, an unresponsive rank) with one such line and
 status 1 (``MBOOST_TRACEBACK=1`` shows the traceback). Any other error during training,
-``ValueError`` included, is not a usage error: it ends in its traceback (status 1). Errors of
-the configuration are the same on every rank and printed by rank 0 alone; an error raised once
-the processes have started (set-up or training) is printed by every rank that raised it, a
-rank other than 0 naming itself (``error: rank 1: ...``).
+``ValueError`` included, is not a usage error: it ends in its traceback (status 1). Every
+rank prints the error it raised, a rank other than 0 naming itself (``error: rank 1: ...``):
+torchrun ends the other ranks as soon as one exits, so a line left to rank 0 alone could be
+lost when another rank got there first.
 """
 
 from __future__ import annotations
@@ -81,22 +81,18 @@ def select_device(requested: str) -> str:
     return device
 
 
-def _print_error(err: Exception, started: bool) -> None:
-    """One ``error:`` line per rank that has something to say. Before the processes start
-    (``started`` False: the configuration) and for a divergence (decided by an all-reduce)
-    every rank raises the same error, so only global rank 0 prints it. Otherwise each rank
-    prints its own, a rank other than 0 with its rank: it may be the only one that failed."""
+def _print_error(err: Exception) -> None:
+    """One ``error:`` line from each rank that raised, a rank other than 0 with its rank. A
+    configuration error or a divergence is the same on every rank, but whichever rank exits
+    first makes torchrun end the others, possibly before rank 0 has printed: each rank's own
+    line is what is sure to reach the log."""
     rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        print_error(err)
-    elif isinstance(err, RankTimeout) or (started and not isinstance(err, TrainingDiverged)):
-        print_error(err, rank=rank)
+    print_error(err, rank=None if rank == 0 else rank)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: parse, load and validate the config for this launch, train."""
     args = parse_args(argv)
-    started = False  # the processes have started: groups, model, data (set-up, then training)
     try:
         from megatron_boost.config.run import load_run_config
 
@@ -115,12 +111,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             device = select_device(cfg.training.device)
             from megatron_boost.train.trainer import train
 
-            started = True
             return train(cfg, device)
     except (ValueError, TrainingDiverged, RankTimeout) as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise
-        _print_error(err, started)
+        _print_error(err)
         return CONFIG_ERROR_EXIT_CODE if isinstance(err, ValueError) else FAULT_EXIT_CODE
     finally:
         # Groups exist only if the training modules were imported (a --check never imports them,
