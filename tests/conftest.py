@@ -1,9 +1,9 @@
 """Shared fixtures."""
 
 import os
-from pathlib import Path
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -125,8 +125,6 @@ def leaves_nothing_active(request):
         _reset_process_state()
         pytest.fail(f"{request.node.nodeid} left process state changed (before, after): "
                     f"{changed}", pytrace=False)
-
-
 
 
 # Two workers (scripts/test.sh runs ``pytest -n 2``, pytest-xdist): each takes whole files, so

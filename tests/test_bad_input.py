@@ -58,6 +58,12 @@ ERROR_LINE = re.compile(r"^(\S+: )?error: ")
 RANKED_ERROR_LINE = re.compile(r"^error: rank \d+: ")
 
 
+def error_messages(lines) -> set:
+    """The distinct messages of ``error:`` lines, a rank's own prefix (``rank N: ``) removed:
+    under torchrun every rank that raised prints the same message."""
+    return {RANKED_ERROR_LINE.sub("error: ", line) for line in lines if ERROR_LINE.match(line)}
+
+
 @dataclass
 class Ctx:
     """Paths a case may use: its own directory, the shared inputs and the shared checkpoint."""
@@ -610,7 +616,7 @@ def test_bad_input_is_one_clear_error(case, results):
     # under torchrun every rank that raised prints, ranks other than 0 naming themselves, and
     # a rank ended by torchrun (another rank exited first) prints nothing: one message, said
     # once or by several ranks, rank 0 at most once
-    errors = sorted({RANKED_ERROR_LINE.sub("error: ", line) for line in lines})
+    errors = sorted(error_messages(lines))
     assert len(errors) == 1, shown
     assert sum(not RANKED_ERROR_LINE.match(line) for line in lines) <= 1, shown
     print(f"\n[{case.name}] exit {proc.returncode} ({outcome['seconds']:.1f} s"

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import time
@@ -39,6 +38,7 @@ from typing import Optional
 
 import pytest
 
+from tests.test_bad_input import error_messages
 from tests.test_training import ROOT, _cmd, _env, losses, metrics, run_training
 
 TIMEOUT = 300
@@ -248,10 +248,9 @@ def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
     out = job.finish()
     assert job.proc.returncode != 0, out[-3000:]
     # every rank decides alike and prints it, ranks other than 0 naming themselves
-    lines = {re.sub(r"^error: rank \d+: ", "error: ", l) for l in out.splitlines()
-             if l.startswith("error:")}
-    assert len(lines) == 1, out[-3000:]
-    assert "iteration 4" in min(lines) and "max_skipped_steps" in min(lines), out[-3000:]
+    messages = error_messages(out.splitlines())
+    assert len(messages) == 1, out[-3000:]
+    assert "iteration 4" in min(messages) and "max_skipped_steps" in min(messages), out[-3000:]
     saved = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*"))
     assert saved == ["iter_0000002"], saved
     assert (run_dir / "checkpoints" / TRACKER).read_text().strip() == "2"

@@ -14,6 +14,7 @@ import torch
 from tests.convert_fixtures import torchrun
 from megatron_boost.runtime.spawn import run_distributed
 from tests.rank_pool import distributed, pool
+from tests.test_bad_input import error_messages
 from tests.test_training import DEBUG, ROOT, _env, losses, metrics, run_training
 
 RUN = ["parallel.tp=2", "training.train_iters=3", "training.eval_interval=3",
@@ -69,8 +70,7 @@ def test_a_failing_rank_gives_the_status_and_output_of_a_failed_launch(tmp_path)
                       timeout=120)
     assert proc.returncode == 2
     # one message, from each rank that got to it (ranks other than 0 name themselves)
-    errors = {re.sub(r"^error: rank \d+: ", "error: ", line)
-              for line in proc.stderr.splitlines() if line.startswith("error:")}
+    errors = error_messages(proc.stderr.splitlines())
     assert len(errors) == 1 and "hiden_size" in min(errors), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
@@ -160,7 +160,7 @@ def test_rendezvous_ports_are_drawn_below_the_ephemeral_range():
 
     from megatron_boost.runtime import spawn
 
-    low, _ = spawn._ephemeral_ports()
+    low = spawn._ephemeral_start()
     ports = [spawn.free_port() for _ in range(200)]
     assert all(low - spawn._PORT_WINDOW <= p < low for p in ports), sorted(ports)[-5:]
     assert all(spawn._can_bind(p) for p in ports[:20])

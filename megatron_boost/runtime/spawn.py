@@ -28,14 +28,14 @@ _PORT_RNG = random.Random()
 _PORT_WINDOW = 8192
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range the kernel assigns ports from (bind to port 0, outgoing connections)."""
+def _ephemeral_start() -> int:
+    """The first port of the range the kernel assigns from (bind to port 0, outgoing
+    connections)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(v) for v in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default; also the IANA dynamic range starts at 49152
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _can_bind(port: int) -> bool:
@@ -52,7 +52,7 @@ def free_port() -> int:
     kernel's ephemeral range. A port the kernel hands out is also what it hands the next
     outgoing connection: with gloo groups of other processes connecting on the machine, such a
     port can be taken between this check and the store's bind (EADDRINUSE)."""
-    low, _ = _ephemeral_ports()
+    low = _ephemeral_start()
     if low - _PORT_WINDOW >= 1024:
         for _ in range(64):
             port = _PORT_RNG.randrange(low - _PORT_WINDOW, low)
