@@ -31,6 +31,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +66,18 @@ class Launch:
         self.sessions = set()
 
     def workers(self) -> list:
+        """torchrun's rank processes (its children running the trainer)."""
         import psutil
 
+        def is_rank(child) -> bool:
+            try:
+                return child.ppid() == self.proc.pid and \
+                    "pretrain_lowrank.py" in " ".join(child.cmdline())
+            except psutil.NoSuchProcess:  # a helper that exited meanwhile (zombie or reaped)
+                return False
+
         found = [c for c in psutil.Process(self.proc.pid).children(recursive=True)
-                 if "pretrain_lowrank.py" in " ".join(c.cmdline())
-                 and c.ppid() == self.proc.pid]
+                 if is_rank(c)]
         self.sessions |= {os.getsid(w.pid) for w in found}
         return found
 
@@ -239,6 +247,28 @@ def test_nonfinite_step_is_skipped_and_logged(tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)
     nxt = _model_tensors(run_dir / "checkpoints" / "iter_0000004", tmp_path)
     assert any(not torch.equal(after[k], nxt[k]) for k in after)  # training went on
+
+
+def test_finding_the_ranks_skips_a_child_that_has_exited():
+    """A launcher's child that has exited but is not reaped yet (a zombie, whose command line
+    cannot be read) is not a rank, and does not break the search."""
+    job = Launch.__new__(Launch)  # only the launcher process and the sessions: no run
+    job.sessions = set()
+    job.proc = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['true']); "
+                               "time.sleep(60)"])
+    try:
+        import psutil
+
+        deadline = time.monotonic() + 30
+        while not any(c.status() == psutil.STATUS_ZOMBIE
+                      for c in psutil.Process(job.proc.pid).children()):
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.05)
+        assert job.workers() == []
+    finally:
+        job.proc.kill()
+        job.proc.wait(timeout=30)
 
 
 def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
