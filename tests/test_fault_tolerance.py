@@ -53,7 +53,8 @@ SEED = 20261203
 class Launch:
     """One torchrun job; its output goes to a file (megatron's checkpoint helper processes of
     a killed rank outlive it and would hold a pipe open). Leftover processes of the ranks'
-    sessions (torchrun starts each rank in its own) are killed when the job ends."""
+    sessions (torchrun starts each rank in its own) are killed when the job ends; the test's
+    own session never is."""
 
     def __init__(self, run_dir: Path, extra=(), env_extra=None):
         run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -66,27 +67,32 @@ class Launch:
         self.sessions = set()
 
     def workers(self) -> list:
-        """torchrun's rank processes (its children running the trainer)."""
+        """torchrun's rank processes: its children running the trainer, each the leader of
+        its own session. A child torchrun has forked but that has not yet called setsid is
+        not one: it still has torchrun's command line (which names the trainer) and torchrun's
+        session, which is this test's, and recording that session would make the end of the
+        job kill the test runner and everything it runs in."""
         import psutil
 
         def is_rank(child) -> bool:
             try:
-                return child.ppid() == self.proc.pid and \
-                    "pretrain_lowrank.py" in " ".join(child.cmdline())
-            except psutil.NoSuchProcess:  # a helper that exited meanwhile (zombie or reaped)
+                return child.ppid() == self.proc.pid and os.getsid(child.pid) == child.pid \
+                    and "pretrain_lowrank.py" in " ".join(child.cmdline())
+            except (psutil.NoSuchProcess, ProcessLookupError):  # exited meanwhile
                 return False
 
         found = [c for c in psutil.Process(self.proc.pid).children(recursive=True)
                  if is_rank(c)]
-        self.sessions |= {os.getsid(w.pid) for w in found}
+        self.sessions |= {w.pid for w in found}  # a session leader's session id is its pid
         return found
 
     def _kill_leftovers(self) -> None:
         import psutil
 
+        sessions = self.sessions - {os.getsid(0)}
         for p in psutil.process_iter():
             try:
-                if os.getsid(p.pid) in self.sessions:
+                if os.getsid(p.pid) in sessions:
                     p.kill()
             except (ProcessLookupError, psutil.Error):
                 pass
@@ -269,6 +275,50 @@ def test_finding_the_ranks_skips_a_child_that_has_exited():
     finally:
         job.proc.kill()
         job.proc.wait(timeout=30)
+
+
+def test_finding_the_ranks_skips_a_child_still_in_the_launchers_session():
+    """torchrun forks each rank, and the child then calls setsid: in between, it has torchrun's
+    command line (which names the trainer) and torchrun's session, which is this test's. Only
+    a child that leads its own session is a rank, so this test's session is never recorded
+    (the job's end kills the recorded sessions)."""
+    import psutil
+
+    job = Launch.__new__(Launch)  # only the launcher process and the sessions: no run
+    job.sessions = set()
+    trainer_like = "[sys.executable, '-c', 'import time; time.sleep(60)', 'pretrain_lowrank.py']"
+    job.proc = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+                               f"[subprocess.Popen({trainer_like}, start_new_session=new) "
+                               "for new in (False, True)]; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while len([c for c in psutil.Process(job.proc.pid).children()
+                   if "pretrain_lowrank.py" in c.cmdline()]) < 2:
+            assert time.monotonic() < deadline, "the launcher's children did not start"
+            time.sleep(0.05)
+        found = job.workers()
+        assert len(found) == 1 and os.getsid(found[0].pid) == found[0].pid, found
+        assert job.sessions == {found[0].pid}
+        assert os.getsid(0) not in job.sessions
+    finally:
+        for child in psutil.Process(job.proc.pid).children():
+            child.kill()
+        job.proc.kill()
+        job.proc.wait(timeout=30)
+
+
+def test_the_end_of_a_job_spares_the_tests_own_session():
+    """Were the test's own session recorded, killing the job's leftovers still spares it: run
+    in a process that leads a session of its own, which the end of a job must not kill."""
+    script = ("import os; from tests.test_fault_tolerance import Launch; "
+              "job = Launch.__new__(Launch); job.sessions = {os.getsid(0)}; "
+              "job._kill_leftovers(); print('still running')")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT,
+                          env=dict(_env(), PYTHONPATH=str(ROOT)), start_new_session=True,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "still running" in proc.stdout, (proc.returncode,
+                                                                     proc.stderr[-2000:])
 
 
 def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):

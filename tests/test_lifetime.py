@@ -45,12 +45,15 @@ if __name__ == "__main__":
 GONE_WITHIN_S = 20
 
 
-def _alive(pids):
+def _alive(procs):
+    """Those of ``procs`` (psutil processes) still running. A psutil process is its pid and
+    its start time, so a pid the kernel has handed to a new process since (pids wrap at
+    kernel.pid_max, 32768 here) does not count, and is not killed."""
     out = []
-    for pid in pids:
+    for proc in procs:
         try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
         except psutil.NoSuchProcess:
             pass
     return out
@@ -70,7 +73,7 @@ def test_children_of_a_killed_rank_exit(tmp_path):
         while "saved" not in line and time.monotonic() < deadline and rank.poll() is None:
             line = rank.stdout.readline()
         assert "saved" in line, "the rank did not save its checkpoint"
-        children = [c.pid for c in psutil.Process(rank.pid).children(recursive=True)]
+        children = psutil.Process(rank.pid).children(recursive=True)
         assert children, "dist_checkpointing started no helper process: nothing is tested"
         os.kill(rank.pid, signal.SIGKILL)
         rank.wait(timeout=30)
@@ -80,7 +83,9 @@ def test_children_of_a_killed_rank_exit(tmp_path):
         survivors = _alive(children)
         assert not survivors, (f"{len(survivors)} of {len(children)} processes started by the "
                                f"killed rank still run after {GONE_WITHIN_S} s: "
-                               f"{[psutil.Process(p).cmdline() for p in survivors]}")
+                               f"{[p.cmdline() for p in survivors]}")
     finally:
-        for pid in _alive(children) + ([rank.pid] if rank.poll() is None else []):
-            os.kill(pid, signal.SIGKILL)  # only processes this test started
+        for proc in _alive(children):
+            proc.kill()  # only processes this test started (psutil checks the start time)
+        if rank.poll() is None:
+            rank.kill()
