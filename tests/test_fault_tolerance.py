@@ -76,13 +76,12 @@ class Launch:
 
         def is_rank(child) -> bool:
             try:
-                return child.ppid() == self.proc.pid and os.getsid(child.pid) == child.pid \
+                return os.getsid(child.pid) == child.pid \
                     and "pretrain_lowrank.py" in " ".join(child.cmdline())
             except (psutil.NoSuchProcess, ProcessLookupError):  # exited meanwhile
                 return False
 
-        found = [c for c in psutil.Process(self.proc.pid).children(recursive=True)
-                 if is_rank(c)]
+        found = [c for c in psutil.Process(self.proc.pid).children() if is_rank(c)]
         self.sessions |= {w.pid for w in found}  # a session leader's session id is its pid
         return found
 
@@ -255,14 +254,19 @@ def test_nonfinite_step_is_skipped_and_logged(tmp_path):
     assert any(not torch.equal(after[k], nxt[k]) for k in after)  # training went on
 
 
+def _bare_launch(launcher_code: str) -> Launch:
+    """A Launch of no run: only its launcher process (``python -c launcher_code``) and the
+    sessions it records, for the tests of the rank search."""
+    job = Launch.__new__(Launch)
+    job.sessions = set()
+    job.proc = subprocess.Popen([sys.executable, "-c", launcher_code])
+    return job
+
+
 def test_finding_the_ranks_skips_a_child_that_has_exited():
     """A launcher's child that has exited but is not reaped yet (a zombie, whose command line
     cannot be read) is not a rank, and does not break the search."""
-    job = Launch.__new__(Launch)  # only the launcher process and the sessions: no run
-    job.sessions = set()
-    job.proc = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, time; subprocess.Popen(['true']); "
-                               "time.sleep(60)"])
+    job = _bare_launch("import subprocess, time; subprocess.Popen(['true']); time.sleep(60)")
     try:
         import psutil
 
@@ -284,13 +288,10 @@ def test_finding_the_ranks_skips_a_child_still_in_the_launchers_session():
     (the job's end kills the recorded sessions)."""
     import psutil
 
-    job = Launch.__new__(Launch)  # only the launcher process and the sessions: no run
-    job.sessions = set()
     trainer_like = "[sys.executable, '-c', 'import time; time.sleep(60)', 'pretrain_lowrank.py']"
-    job.proc = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; "
-                               f"[subprocess.Popen({trainer_like}, start_new_session=new) "
-                               "for new in (False, True)]; time.sleep(60)"])
+    job = _bare_launch("import subprocess, sys, time; "
+                       f"[subprocess.Popen({trainer_like}, start_new_session=new) "
+                       "for new in (False, True)]; time.sleep(60)")
     try:
         deadline = time.monotonic() + 30
         while len([c for c in psutil.Process(job.proc.pid).children()
