@@ -266,7 +266,12 @@ def _bare_launch(launcher_code: str) -> Launch:
 def test_finding_the_ranks_skips_a_child_that_has_exited():
     """A launcher's child that has exited but is not reaped yet (a zombie, whose command line
     cannot be read) is not a rank, and does not break the search."""
-    job = _bare_launch("import subprocess, time; subprocess.Popen(['true']); time.sleep(60)")
+    # The child leads its own session, as a rank does, so the search reads its command line.
+    # The launcher keeps its Popen: a dropped one is polled (reaped) by its finaliser whenever
+    # the child has already exited, which on a loaded machine left no zombie to find.
+    job = _bare_launch("import subprocess, time; "
+                       "child = subprocess.Popen(['true'], start_new_session=True); "
+                       "time.sleep(60)")
     try:
         import psutil
 
