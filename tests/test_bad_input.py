@@ -279,6 +279,12 @@ CASES = [
     # -- keys and types --------------------------------------------------------------------
     Case("unknown_section", train("bogus.key=1"), ("unknown section 'bogus'",)),
     Case("unknown_key", train("model.bogus_key=3"), ("unknown key 'bogus_key'", "model")),
+    Case("override_typo_names_the_override", train("training.train_iter=10"),
+         ("unknown key 'train_iter'", "the override 'training.train_iter=10'",
+          "did you mean 'train_iters'?"), forbid=("debug.yaml",)),
+    Case("yaml_typo_names_file_and_line", train(config="{case}/c.yaml"),
+         ("c.yaml:3", "unknown key 'hiden_size'", "did you mean 'hidden_size'?"),
+         setup=write("c.yaml", "model:\n  num_layers: 2\n  hiden_size: 64\n")),
     Case("override_without_value", train("parallel.tp"), ("parallel.tp", "section.key=value")),
     Case("wrong_type_str_for_int", train("model.hidden_size=wide"),
          ("model.hidden_size", "'wide'", "int")),

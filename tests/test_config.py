@@ -67,13 +67,43 @@ def test_debug_yaml_loads_and_overrides_apply():
     assert tc.attn_rank == 8 and tc.tensor_model_parallel_size == 2
 
 
-def test_unknown_key_names_key_section_and_file(tmp_path):
+def test_unknown_key_names_key_section_file_and_line(tmp_path):
     p = tmp_path / "bad.yaml"
-    p.write_text("model:\n  hidden_size: 64\n  hiden_layers: 3\n")
+    p.write_text("model:\n  hidden_size: 64\n  colour: 3\n")
     with pytest.raises(ValueError) as err:
         load_run_config(str(p))
     msg = str(err.value)
-    assert "hiden_layers" in msg and "model" in msg and str(p) in msg
+    assert "colour" in msg and "model" in msg and f"{p}:3" in msg
+    assert "valid keys" in msg  # nothing close enough to suggest
+
+
+def test_typo_gets_a_did_you_mean(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("training:\n  micro_batch_size: 2\n\n  global_batch_sise: 8\n")
+    with pytest.raises(ValueError) as err:
+        load_run_config(str(p))
+    assert f"{p}:4" in str(err.value) and "did you mean 'global_batch_size'?" in str(err.value)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("training.train_iter=10", "unknown key 'train_iter'"),
+    ("trainig.train_iters=10", "unknown section 'trainig'"),
+    ("model.hidden_size=abc", "expected int"),
+])
+def test_override_error_names_the_override_not_the_file(override, needle):
+    with pytest.raises(ValueError) as err:
+        load_run_config(str(ROOT / "configs/debug.yaml"), [override])
+    msg = str(err.value)
+    assert needle in msg and f"the override '{override}'" in msg, msg
+    assert "debug.yaml" not in msg, msg
+
+
+def test_wrong_type_in_the_file_names_its_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model:\n  num_layers: 2\n  hidden_size: wide\n")
+    with pytest.raises(ValueError) as err:
+        load_run_config(str(p))
+    assert f"{p}:3" in str(err.value) and "model.hidden_size" in str(err.value)
 
 
 def test_unknown_section_is_fatal(tmp_path):

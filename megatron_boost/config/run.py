@@ -4,7 +4,8 @@ A run file has one top-level key per section (``model``, ``parallel``, ``trainin
 ``optimizer``, ``logging``, ``checkpoint``). YAML keys equal field names; an unknown key is fatal
 and the error names the key, the section and the file. Command-line overrides use dotted paths:
 ``model.attn_rank=64 parallel.tp=2``; values are parsed as YAML scalars (``2``, ``true``,
-``1e-3``, ``[a, b]``). An override of one budget key (``training.train_iters`` or
+``1e-3``, ``[a, b]``). An error about a key names its source (the override, or the file and
+line) and, for an unknown key, the nearest valid one. An override of one budget key (``training.train_iters`` or
 ``training.train_tokens``) drops the other from the file. Every field is documented by the string literal under it;
 ``configs/reference.yaml`` is the commented reference of all keys.
 """
@@ -12,6 +13,7 @@ and the error names the key, the section and the file. Command-line overrides us
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -19,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 from megatron_boost.config.modes import default_rank
-from megatron_boost.config.yaml_io import read_yaml_mapping
+from megatron_boost.config.yaml_io import key_lines, read_yaml_mapping
 from megatron_boost.config.validation import validate_run_config
 from megatron_boost.data.datasets import DataConfig
 
@@ -270,26 +272,56 @@ def _check_type(value, tp, where: str):
     return value
 
 
-def _build(cls, values: Dict[str, Any], section: str, source: str):
-    """Instantiate dataclass ``cls`` from a mapping; ``section`` is its dotted path, ``source``
-    the file (or 'overrides') named in errors."""
+@dataclass
+class _Sources:
+    """Where each dotted key of a run came from, for its errors: the command-line override that
+    set it, else the line of the YAML file that holds it."""
+
+    path: Optional[str]
+    """The YAML file (None: defaults and overrides only)."""
+    lines: Dict[str, int]
+    """Dotted key -> 1-based line in the file (yaml_io.key_lines)."""
+    overrides: Dict[str, str]
+    """Dotted key -> the override item that set it."""
+
+    def of(self, dotted: str) -> str:
+        """``the override 'x.y=1'``, ``'file.yaml:3'``, or ``'file.yaml'`` (no line known)."""
+        if dotted in self.overrides:
+            return f"the override '{self.overrides[dotted]}'"
+        if self.path is None:
+            return "the defaults"
+        line = self.lines.get(dotted)
+        return f"'{self.path}:{line}'" if line else f"'{self.path}'"
+
+
+def _unknown(what: str, name: str, known, where: str) -> ValueError:
+    """An unknown key or section, with the nearest valid name when one is close (a typo)."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else f"valid {what}s: {sorted(known)}"
+    return ValueError(f"unknown {what} '{name}' {where}; {hint}")
+
+
+def _build(cls, values: Dict[str, Any], section: str, sources: _Sources):
+    """Instantiate dataclass ``cls`` from a mapping; ``section`` is its dotted path, ``sources``
+    names where each key came from in errors."""
     if values is None:
         values = {}
     if not isinstance(values, dict):
-        raise ValueError(f"{source}: section '{section}' must be a mapping of keys to values, "
-                         f"got {values!r}")
+        raise ValueError(f"{sources.of(section)}: section '{section}' must be a mapping of keys "
+                         f"to values, got {values!r}")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
+        dotted = f"{section}.{key}"
         if key not in known:
-            raise ValueError(f"unknown key '{key}' in section '{section}' of {source}; "
-                             f"valid keys: {sorted(known)}")
+            raise _unknown("key", key, known,
+                           f"in section '{section}' (from {sources.of(dotted)})")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{section}.{key}", source)
+            kwargs[key] = _build(tp, value, dotted, sources)
         else:
-            kwargs[key] = _check_type(value, tp, f"{source}: {section}.{key}")
+            kwargs[key] = _check_type(value, tp, f"{dotted} (from {sources.of(dotted)})")
     return cls(**kwargs)
 
 
@@ -341,20 +373,25 @@ def drop_budget_overridden_on_command_line(raw: Dict[str, Any],
 def load_run_config(path: Optional[str], overrides: Sequence[str] = (),
                     world_size: Optional[int] = None) -> RunConfig:
     """Read a YAML run file (or defaults when ``path`` is None), apply overrides, validate
-    (with the launch rules when ``world_size`` is given)."""
+    (with the launch rules when ``world_size`` is given). An unknown or mistyped key is
+    reported with its source: the override that set it, or the file and line."""
     raw: Dict[str, Any] = {}
-    where = "overrides"
+    lines: Dict[str, int] = {}
     if path is not None:
         raw = read_yaml_mapping(path)
-        where = f"'{path}'"
+        lines = key_lines(path)
+    sources = _Sources(path, lines, {item.split("=", 1)[0].strip(): item
+                                     for item in overrides if "=" in item})
     raw = apply_overrides(drop_budget_overridden_on_command_line(raw, overrides), overrides)
     cfg = RunConfig()
     known = {f.name for f in dataclasses.fields(RunConfig)}
     for section, values in raw.items():
         if section not in known:
-            raise ValueError(f"unknown section '{section}' in {where}; valid sections: "
-                             f"{sorted(known)}")
-        setattr(cfg, section, _build(type(getattr(cfg, section)), values, section, where))
+            given = next((item for key, item in sources.overrides.items()
+                          if key.split(".", 1)[0] == section), None)
+            where = f"the override '{given}'" if given else sources.of(section)
+            raise _unknown("section", section, known, f"(from {where})")
+        setattr(cfg, section, _build(type(getattr(cfg, section)), values, section, sources))
     return cfg.validate(world_size)
 
 

@@ -4,6 +4,8 @@
 ``UnicodeDecodeError``); a file that is empty or holds a list loads without complaint and fails
 later, far from the cause. :func:`read_yaml_mapping` turns each case into a ``ValueError`` that
 names the file and the rule it breaks, so the entry points print one ``error:`` line.
+:func:`key_lines` gives the line of every key, so a later error about a key (unknown, wrong
+type) can name ``file:line``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Dict
 
 import yaml
 
-__all__ = ["read_yaml_mapping"]
+__all__ = ["read_yaml_mapping", "key_lines"]
 
 
 def _read_text(path: Path) -> str:
@@ -60,3 +62,23 @@ def read_yaml_mapping(path: str) -> Dict[str, Any]:
     if bad:
         raise ValueError(f"config file '{path}': section name {bad[0]!r} must be a string")
     return raw
+
+
+def key_lines(path: str) -> Dict[str, int]:
+    """The 1-based line of every mapping key of a YAML file that :func:`read_yaml_mapping`
+    accepted, by dotted path (``model.hidden_size`` -> 3). Keys that are not strings are left
+    out."""
+    root = yaml.compose(Path(path).read_text(encoding="utf-8"))
+    lines: Dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                dotted = f"{prefix}{key.value}"
+                lines[dotted] = key.start_mark.line + 1
+                walk(value, dotted + ".")
+
+    walk(root, "")
+    return lines
