@@ -172,3 +172,29 @@ def test_checking_a_configuration_imports_neither_torch_nor_megatron():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "[]", proc.stdout[-2000:]
+
+
+def test_saved_config_is_the_resolved_run(tmp_path):
+    """The trainer's config.yaml records the values as used (the tokenizer's vocabulary, not
+    model.vocab_size's placeholder; device, precision and attention backend, not auto) and
+    resolves to the same run by itself."""
+    from megatron_boost.config.resolved import resolved_config_yaml
+    from tests.test_training import _sentencepiece_model
+
+    tok = _sentencepiece_model(tmp_path)  # 300 pieces
+    cfg = load_run_config(str(ROOT / "configs/debug.yaml"),
+                          [f"data.tokenizer_model={tok}", "parallel.tp=2",
+                           "training.precision=auto", "training.device=auto"])
+    assert cfg.model.vocab_size != 300 and cfg.model.attention_backend == "auto"
+    run = resolve_run(cfg, "cpu")
+    saved = tmp_path / "config.yaml"
+    saved.write_text(resolved_config_yaml(run))
+    text = saved.read_text()
+    assert "vocabulary 300 (padded to 384 rows for tp=2)" in text
+    again = load_run_config(str(saved))
+    assert again.model.vocab_size == 300 and again.training.device == "cpu"
+    assert again.training.precision == "fp32"
+    assert again.model.attention_backend == run.attention_backend != "auto"
+    rerun = resolve_run(again)
+    assert (rerun.vocab_size, rerun.padded_vocab_size, rerun.device, rerun.precision,
+            rerun.attention_backend) == (300, 384, "cpu", "fp32", run.attention_backend)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_boost.config.run import load_run_config
 from tests.rank_pool import pool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,7 +138,10 @@ def test_end_to_end_metrics_and_checkpoint(base):
         assert state["run_config"]["parallel"]["tp"] == 2
     # the console line carries the loss (rank 0 prints it) and the final validation
     assert "iter      6/6" in proc.stdout and "val_ppl" in proc.stdout
-    assert (run_dir / "config.yaml").is_file()
+    # the run as it ran (config.resolved.resolved_config_yaml), loadable as a run file
+    saved = load_run_config(str(run_dir / "config.yaml"))
+    assert saved.training.device == "cpu" and saved.training.precision == "fp32"
+    assert saved.model.attention_backend != "auto" and saved.parallel.tp == 2
 
 
 # ------------------------------------------------------------------------------------------

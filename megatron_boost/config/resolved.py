@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import yaml
 
 from megatron_boost.config.run import RunConfig
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.runtime.backends import resolve_attention_backend, te_available
 
-__all__ = ["ResolvedRun", "resolve_run", "resolve_device", "resolve_precision",
+__all__ = ["ResolvedRun", "resolve_run", "resolved_config_yaml", "resolve_device", "resolve_precision",
            "padded_vocab_size", "run_vocab_size", "to_transformer_config", "check_model_rules"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -144,6 +145,24 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
         attention_backend=backend, attention_reason=reason, vocab_size=vocab,
         padded_vocab_size=padded_vocab or padded_vocab_size(vocab, cfg.parallel.tp),
         process_groups=process_groups)
+
+
+def resolved_config_yaml(run: ResolvedRun) -> str:
+    """The run file of the run as it ran (the trainer's ``<run_dir>/config.yaml``): the
+    configuration with every value resolved for this process written in its key
+    (``model.vocab_size``: the tokenizer's; ``training.device``, ``training.precision``,
+    ``model.attention_backend``: as used, not ``auto``), so it reproduces the run alone; a
+    comment above records the padded vocabulary and why that attention backend."""
+    cfg = copy.deepcopy(run.cfg)
+    cfg.model.vocab_size = run.vocab_size
+    cfg.model.attention_backend = run.attention_backend
+    cfg.training.device = run.device
+    cfg.training.precision = run.precision
+    header = (f"# The resolved run: vocabulary {run.vocab_size} (padded to "
+              f"{run.padded_vocab_size} rows for tp={cfg.parallel.tp}), device {run.device}, "
+              f"precision {run.precision}, attention {run.attention_backend} "
+              f"({run.attention_reason}).\n")
+    return header + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
 
 
 def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:

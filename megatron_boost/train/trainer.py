@@ -15,8 +15,9 @@ last one min_lr. On resume the configuration wins for every schedule parameter
 Run directory (``logging.run_dir``): ``metrics.jsonl`` and ``tensorboard/``
 (``train/metrics.py``), ``checkpoints/`` (default ``checkpoint.save``; a run resumes from the
 checkpoint named there, or from ``checkpoint.load``; a new run may start from the weights of
-``checkpoint.init_from``) and ``config.yaml``, the resolved
-configuration. Pre-emption (SIGTERM, SIGUSR1; ``train/preemption.py``): all ranks agree at the
+``checkpoint.init_from``) and ``config.yaml``, the resolved run
+(``config.resolved.resolved_config_yaml``: the vocabulary, device, precision and attention
+backend as used). Pre-emption (SIGTERM, SIGUSR1; ``train/preemption.py``): all ranks agree at the
 next step boundary, save, print ``pre-emption signal received, checkpoint saved at iteration
 N`` and exit with status 0.
 """
@@ -33,7 +34,6 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 from megatron.core import parallel_state as ps
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
@@ -45,7 +45,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from megatron_boost.analysis.comm import StepCommShape, step_comm_bytes
 from megatron_boost.analysis.flops import flops_per_token, peak_tflops
 from megatron_boost.analysis.shape import ModelShape
-from megatron_boost.config.resolved import resolve_run
+from megatron_boost.config.resolved import resolve_run, resolved_config_yaml
 from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.data.validation import validate_data_files
@@ -157,12 +157,10 @@ class Trainer:
         self.num_microbatches = get_num_microbatches()
 
     def _prepare_run_dir(self) -> None:
-        cfg = self.cfg
         if dist.get_rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             Path(self.save_dir).mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(
-                yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+            (self.run_dir / "config.yaml").write_text(resolved_config_yaml(self.run))
 
     def _build_model(self) -> None:
         """Resolve the run for this process (device, precision, attention, the tokenizer's
