@@ -287,6 +287,31 @@ def test_import_bad_inputs(tmp_path, capsys, tokenizer_model):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_continuation_keeps_the_space_of_a_word_after_the_prompt(tokenizer_model):
+    """A prompt ending in a word, continued by "▁word": the continuation keeps its space with
+    the training tokenizer's HF form (what tools/generate.py decodes with) and SentencePiece's
+    own decoder."""
+    import sentencepiece as spm
+
+    from megatron_boost.convert.generation import continuation_text
+    from megatron_boost.convert.tokenizer import _from_sentencepiece
+
+    sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+    hf = _from_sentencepiece(tokenizer_model)
+    for decode in (sp.decode, hf.decode):
+        whole = sp.encode("the model and the tokenizer")
+        prompt = sp.encode("the model and")
+        new = whole[len(prompt):]
+        assert whole[:len(prompt)] == prompt and sp.id_to_piece(new[0]).startswith("▁")
+        assert not decode(new).startswith(" ")  # the loss this guards against
+        assert continuation_text(decode, prompt, new) == " the tokenizer"
+        # "ü" as two byte-fallback pieces, split between prompt and continuation: the prompt
+        # decodes to "a \ufffd", the whole to "a ü"; the continuation is the whole character
+        ids = sp.encode("a ü")
+        assert [sp.id_to_piece(i) for i in ids[-2:]] == ["<0xC3>", "<0xBC>"]
+        assert continuation_text(decode, ids[:-1], ids[-1:]) == "ü"
+
+
 def test_generate_greedy_equals_hf_generate(checkpoint, tmp_path, capsys):
     from transformers import AutoTokenizer
 

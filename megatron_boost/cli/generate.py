@@ -2,6 +2,9 @@
 
     python tools/generate.py runs/debug/checkpoints --prompt "To be" [--max-new-tokens 40]
         [--temperature 0 (greedy) | 0.8 --top-p 0.9 --seed 1]
+
+Prints ``[<model>] <prompt><continuation>``: the prompt as given, then exactly the text the new
+tokens add (the whole sequence is decoded, so a continuation's leading space is kept).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def generate(args) -> List[int]:
     import torch
 
-    from megatron_boost.convert.generation import sample
+    from megatron_boost.convert.generation import continuation_text, sample
     from megatron_boost.convert.sources import open_model
 
     with open_model(args.model) as m:
@@ -39,7 +42,8 @@ def generate(args) -> List[int]:
         new = sample(lambda ids: m.logits(torch.tensor([ids]))[0, -1], prompt,
                      args.max_new_tokens, args.temperature, args.top_p, args.seed,
                      m.tokenizer.eos_token_id)
-        print(f"[{m.name}] {args.prompt}{m.tokenizer.decode(new)}", flush=True)
+        text = continuation_text(m.tokenizer.decode, prompt, new)
+        print(f"[{m.name}] {args.prompt}{text}", flush=True)
     return new
 
 

@@ -1,14 +1,17 @@
 """Token sampling shared by the export check, tools/generate.py and the tests: greedy, or
 temperature with nucleus (top-p) filtering, one token at a time from a next-token-logits
-function (the megatron model recomputes the whole prefix; HF models use their KV cache)."""
+function (the megatron model recomputes the whole prefix; HF models use their KV cache), and
+the text the new tokens add after a prompt (:func:`continuation_text`)."""
 
 from __future__ import annotations
 
 from typing import Callable, List, Optional
 
+import os
+
 import torch
 
-__all__ = ["next_token", "sample"]
+__all__ = ["next_token", "sample", "continuation_text"]
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_p: float,
@@ -38,3 +41,16 @@ def sample(next_logits: Callable[[List[int]], torch.Tensor], prompt: List[int],
         if tok == stop_id:
             break
     return ids[len(prompt):]
+
+
+def continuation_text(decode: Callable[[List[int]], str], prompt: List[int],
+                      new: List[int]) -> str:
+    """The text ``new`` adds after ``prompt``, its leading space included.
+
+    SentencePiece marks a word's leading space on the word ("▁the") and a decoder drops it at
+    the start of a sequence, so decoding the new ids alone turns "Fix" + "▁the" into "Fixthe".
+    The whole sequence is decoded instead and the decoded prompt cut off (up to the first
+    character that differs: a character split between prompt and continuation by byte
+    fallback decodes only in the whole)."""
+    before, whole = decode(list(prompt)), decode(list(prompt) + list(new))
+    return whole[len(os.path.commonprefix([before, whole])):]
