@@ -282,6 +282,32 @@ def test_import_bad_inputs(tmp_path, capsys, tokenizer_model):
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".*tmp*"))
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_files_follow_the_umask(tmp_path, umask):
+    """Every file of an HF directory gets the mode open() gives under the user's umask
+    (safetensors' writer alone makes model.safetensors 0600), sharded or not, CoLA code
+    included."""
+    from transformers import LlamaConfig
+
+    from megatron_boost.convert.hf_dir import write_hf_dir
+
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, vocab_size=16)
+    config.auto_map = {"AutoConfig": "configuration_cola.ColaConfig"}  # copies the CoLA code
+    state = {f"w{i}": torch.zeros(64) for i in range(3)}
+    saved = os.umask(umask)
+    try:
+        for out, shard in ((tmp_path / "one", "5GB"), (tmp_path / "sharded", 300)):
+            out.mkdir()
+            write_hf_dir(out, state, config, None, shard)
+            modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+            assert "modeling_cola.py" in modes and any("safetensors" in n for n in modes)
+            assert set(modes.values()) == {oct(0o666 & ~umask)}, modes
+        assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    finally:
+        os.umask(saved)
+
+
 # ---------------------------------------------------------------------------------------------
 # generation
 # ---------------------------------------------------------------------------------------------

@@ -138,6 +138,11 @@ def test_end_to_end_metrics_and_checkpoint(base):
         assert state["run_config"]["parallel"]["tp"] == 2
     # the console line carries the loss (rank 0 prints it) and the final validation
     assert "iter      6/6" in proc.stdout and "val_ppl" in proc.stdout
+    # checkpoints and logs follow the user's umask (what open() gives), as exports do
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {oct(p.stat().st_mode & 0o777) for p in run_dir.rglob("*") if p.is_file()} == {
+        oct(0o666 & ~umask)}
     # the run as it ran (config.resolved.resolved_config_yaml), loadable as a run file
     saved = load_run_config(str(run_dir / "config.yaml"))
     assert saved.training.device == "cpu" and saved.training.precision == "fp32"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Dict
@@ -10,7 +11,7 @@ from typing import Dict
 import torch
 
 __all__ = ["hf_config", "write_hf_dir", "load_hf_model", "read_hf_state_dict",
-           "read_config_json", "check_weight_files", "HF_ACTIVATIONS", "COLA_CODE"]
+           "read_config_json", "check_weight_files", "files_follow_umask", "HF_ACTIVATIONS", "COLA_CODE"]
 
 #: bottleneck σ -> transformers ACT2FN name ("linear" is ACT2FN's identity).
 HF_ACTIVATIONS = {"silu": "silu", "identity": "linear", "gelu": "gelu", "relu": "relu"}
@@ -64,9 +65,28 @@ def _save_safetensors(state: Dict[str, torch.Tensor], out: Path, max_shard_size)
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it; set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def files_follow_umask(out: Path) -> None:
+    """Give every file under ``out`` the mode a plain ``open()`` gives under the user's umask
+    (0644 under the default 022). safetensors' writer creates its files 0600 whatever the
+    umask, and copied files keep their source's mode: an export on a shared filesystem must be
+    readable by whoever the user's umask lets read."""
+    mode = 0o666 & ~_umask()
+    for path in Path(out).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
 def write_hf_dir(out: Path, state: Dict[str, torch.Tensor], config, tokenizer,
                  max_shard_size="5GB") -> None:
-    """Everything ``from_pretrained`` needs, in ``out`` (which must exist)."""
+    """Everything ``from_pretrained`` needs, in ``out`` (which must exist), every file with
+    the mode the user's umask gives (:func:`files_follow_umask`)."""
     from transformers import GenerationConfig
 
     config.save_pretrained(out)
@@ -78,6 +98,7 @@ def write_hf_dir(out: Path, state: Dict[str, torch.Tensor], config, tokenizer,
             shutil.copy(COLA_CODE / name, out / name)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    files_follow_umask(out)
 
 
 def read_config_json(hf_dir) -> dict:
