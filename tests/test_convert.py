@@ -454,6 +454,14 @@ def test_import_takes_the_hf_directory_tokenizer_and_writes_the_training_config(
     assert written["data"]["data_path"] == ["data/corpus"]  # the rest is the config's
     assert (f"torchrun --nproc_per_node=2 pretrain_lowrank.py --config "
             f"{tmp_path / 'imported' / 'train.yaml'}\n") in out
+    # the run directory lies beside the import (not runs/<name> under the current directory)
+    # and the output says where; --run-dir chooses another
+    assert written["logging"]["run_dir"] == str(tmp_path / "imported-run")
+    assert f"run directory {tmp_path / 'imported-run'}" in out
+    assert main([str(hf), str(tmp_path / "again"), "--config", str(config), "--run-dir",
+                 str(tmp_path / "mine")]) == 0
+    written = yaml.safe_load((tmp_path / "again" / "train.yaml").read_text())
+    assert written["logging"]["run_dir"] == str(tmp_path / "mine")
 
 
 # ---------------------------------------------------------------------------------------------

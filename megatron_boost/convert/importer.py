@@ -190,8 +190,16 @@ def _run_config(hf: dict, hf_dir: Path, config: Optional[str], overrides: Sequen
     return cfg, rows
 
 
+def _run_dir(out: Path, run_dir: Optional[str], overrides: Sequence[str]) -> str:
+    """The training run's directory: ``run_dir`` (``--run-dir``), else a ``logging.run_dir``
+    override, else ``<output>-run`` beside the import (the config file's own run directory
+    belongs to the run it came from: training there would resume that run)."""
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("logging.run_dir=")]
+    return run_dir or (given[-1] if given else str(out.parent / f"{out.name}-run"))
+
+
 def import_hf(hf_dir: str, output: str, config: Optional[str], overrides: Sequence[str] = (),
-              sample_text: Optional[str] = None) -> dict:
+              sample_text: Optional[str] = None, run_dir: Optional[str] = None) -> dict:
     """Import; prints the error table and both perplexities, returns them with the path."""
     src, out = Path(hf_dir), Path(output)
     if out.exists():
@@ -226,19 +234,21 @@ def import_hf(hf_dir: str, output: str, config: Optional[str], overrides: Sequen
             os.replace(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    run_yaml = write_training_config(cfg, out)
+    run_yaml = write_training_config(cfg, out, _run_dir(out, run_dir, overrides))
     return {"errors": errors, "ppl_source": ppl_source, "ppl_imported": ppl_ours,
             "checkpoint": str(out), "config": str(run_yaml),
+            "run_dir": _run_dir(out, run_dir, overrides),
             "command": training_command(cfg, run_yaml)}
 
 
-def write_training_config(cfg, out: Path) -> Path:
+def write_training_config(cfg, out: Path, run_dir: str) -> Path:
     """``<out>/train.yaml``: the run configuration with the imported shape (model dims, ranks,
-    tokenizer) and ``checkpoint.init_from=<out>``, so a training run starts from the imported
-    weights once and resumes from its own checkpoints on every relaunch."""
+    tokenizer), ``checkpoint.init_from=<out>`` and ``logging.run_dir=run_dir``, so a training
+    run starts from the imported weights once and resumes from its own checkpoints on every
+    relaunch."""
     cfg = copy.deepcopy(cfg)
     cfg.checkpoint.init_from, cfg.checkpoint.load, cfg.checkpoint.save = str(out), None, None
-    cfg.logging.run_dir = f"runs/{out.name}"
+    cfg.logging.run_dir = run_dir
     path = out / "train.yaml"
     path.write_text(f"# Written by tools/import_hf.py: the imported model's shape; training "
                     f"starts from the weights in {out}\n"
@@ -250,7 +260,18 @@ def training_command(cfg, run_yaml: Path) -> str:
     """The command that trains the imported model (its layout's process count; the data
     prefix stays a placeholder when the configuration names none)."""
     procs = cfg.parallel.tp * cfg.parallel.pp
-    launch = (f"torchrun --nproc_per_node={procs} pretrain_lowrank.py" if procs > 1
-              else "python pretrain_lowrank.py")
+    script = _entry_script()
+    launch = (f"torchrun --nproc_per_node={procs} {script}" if procs > 1
+              else f"python {script}")
     data = "" if cfg.data.data_path or cfg.data.mock else " 'data.data_path=[PREFIX]'"
     return f"{launch} --config {run_yaml}{data}"
+
+
+def _entry_script() -> str:
+    """The trainer's script as the printed command must name it from this directory:
+    ``pretrain_lowrank.py`` at the repository root, else its path (relative when shorter)."""
+    script = Path(__file__).resolve().parents[2] / "pretrain_lowrank.py"
+    if not script.is_file():
+        return "pretrain_lowrank.py"
+    relative = os.path.relpath(script)
+    return relative if len(relative) <= len(str(script)) else str(script)
