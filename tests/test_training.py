@@ -170,6 +170,59 @@ def test_resume_reproduces_uninterrupted_run_exactly(base, tmp_path):
         assert r["grad_norm"] == ref_recs[r["iteration"]]["grad_norm"]
 
 
+def _lr_curve(iters: int, *overrides) -> list:
+    """The learning rate of iterations 1..iters as train/build.build_scheduler gives it for
+    configs/debug.yaml (warmup 2, lr 3e-3, min_lr 3e-4) with ``overrides``."""
+    import torch
+
+    from megatron_boost.config.resolved import resolve_run
+    from megatron_boost.train.build import build_scheduler
+
+    cfg = load_run_config(DEBUG, [f"training.train_iters={iters}", *overrides])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    sched = build_scheduler(opt, resolve_run(cfg, "cpu", vocab_size=256))
+    curve = []
+    for _ in range(iters):
+        sched.step(1)  # iteration k runs with the scheduler at step k (train/trainer.py)
+        curve.append(opt.param_groups[0]["lr"])
+    return curve
+
+
+@pytest.mark.fast
+def test_extending_stretches_the_decay_unless_it_is_fixed():
+    six = _lr_curve(6)
+    assert six[-1] == pytest.approx(3e-4)
+    # the default decays over the training length: extended to 9, the LR at 7 is back above
+    # min_lr (what README §4 and docs/fault-tolerance.md say)
+    assert _lr_curve(9)[6] > 2 * 3e-4
+    # a fixed lr_decay_iters keeps the first run's curve, then min_lr
+    assert _lr_curve(9, "optimizer.lr_decay_iters=6") == six + [pytest.approx(3e-4)] * 3
+
+
+@pytest.mark.fast
+def test_wsd_holds_the_peak_until_its_final_decay():
+    wsd = ("optimizer.lr_decay_style=wsd", "optimizer.lr_wsd_decay_iters=2")
+    six, nine = _lr_curve(6, *wsd), _lr_curve(9, *wsd)
+    assert six[:2] == nine[:2] == [pytest.approx(1.5e-3), pytest.approx(3e-3)]  # warmup
+    assert six[2:4] == nine[2:4] == [pytest.approx(3e-3)] * 2  # stable
+    assert nine[4:7] == [pytest.approx(3e-3)] * 3  # still stable where the 6-step run decays
+    assert six[-1] == nine[-1] == pytest.approx(3e-4)  # the decay ends each run at min_lr
+    assert nine[7] == pytest.approx((3e-3 + 3e-4) / 2)  # linear, halfway
+
+
+def test_extended_run_with_fixed_decay_keeps_its_lr_curve(base, tmp_path):
+    """The 6-iteration base run resumed at its end with train_iters=9 and lr_decay_iters=6:
+    the schedule stays at min_lr instead of rising again."""
+    run_dir, _ = base
+    proc = run_training(2, BASE + [f"logging.run_dir={tmp_path}", "training.train_iters=9",
+                                   "optimizer.lr_decay_iters=6",
+                                   f"checkpoint.load={run_dir / 'checkpoints'}"])
+    assert "at iteration 6" in proc.stdout
+    recs = metrics(tmp_path)
+    assert [r["iteration"] for r in recs] == [7, 8, 9]
+    assert [r["lr"] for r in recs] == [pytest.approx(3e-4)] * 3
+
+
 # ------------------------------------------------------------------------------------------
 # (c) resharding: TP=2 checkpoint -> TP=1, PP=2
 # ------------------------------------------------------------------------------------------

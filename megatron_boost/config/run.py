@@ -146,7 +146,7 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
-    """Adam with warmup + cosine decay."""
+    """Adam with warmup, then cosine, linear or warmup-stable-decay (WSD) decay."""
 
     lr: float = 1e-3
     """Peak learning rate."""
@@ -155,7 +155,18 @@ class OptimizerConfig:
     warmup_iters: int = 2
     """Linear warmup steps."""
     lr_decay_iters: Optional[int] = None
-    """Steps of cosine decay; null means the training length."""
+    """Step at which the decay reaches min_lr (after it the LR stays at min_lr); null means the
+    training length. With null, extending a run (a larger train_iters or train_tokens on
+    resume) stretches the decay over the new length, so the LR rises again; a fixed value
+    keeps the schedule of the first run (docs/fault-tolerance.md)."""
+    lr_decay_style: str = "cosine"
+    """Decay after the warmup: cosine, linear, or wsd (warmup-stable-decay, megatron's WSD: the
+    LR stays at its peak, then falls to min_lr over the last lr_wsd_decay_iters steps before
+    lr_decay_iters)."""
+    lr_wsd_decay_iters: Optional[int] = None
+    """wsd only (required there): steps of the final decay (megatron's wsd_decay_steps)."""
+    lr_wsd_decay_style: str = "linear"
+    """wsd only: shape of the final decay: linear, cosine, exponential or minus_sqrt."""
     weight_decay: float = 0.01
     """Decoupled weight decay (AdamW)."""
     adam_beta1: float = 0.9

@@ -22,7 +22,7 @@ from megatron_boost.config.modes import TPMode, check_tp_split
 from megatron_boost.runtime.backends import check_attention_backend
 
 __all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations",
-           "budget_line"]
+           "budget_line", "LR_DECAY_STYLES"]
 
 _PRECISIONS = ("auto", "fp32", "bf16")
 # Sizes and rates that must be > 0 (checked first, so that each names its own rule rather than
@@ -86,8 +86,15 @@ def budget_line(cfg) -> str:
             f"{iters * tokens_per_step:,} tokens")
 
 
+#: optimizer.lr_decay_style -> megatron's lr_decay_style.
+LR_DECAY_STYLES = {"cosine": "cosine", "linear": "linear", "wsd": "WSD"}
+#: megatron's lr_wsd_decay_style values (OptimizerParamScheduler.get_lr).
+_WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+
 def lr_decay_iterations(cfg) -> int:
-    """Steps of the cosine decay: ``optimizer.lr_decay_iters``, or the training length."""
+    """The step at which the decay reaches min_lr: ``optimizer.lr_decay_iters``, or the
+    training length."""
     decay = cfg.optimizer.lr_decay_iters
     return decay if decay is not None else train_iterations(cfg)
 
@@ -196,6 +203,29 @@ def _check_budget(cfg) -> None:
             f"iterations)")
     if o.min_lr > o.lr:
         raise ValueError(f"optimizer.min_lr ({o.min_lr}) must not exceed optimizer.lr ({o.lr})")
+    _check_decay_style(o, decay)
+
+
+def _check_decay_style(o, decay: int) -> None:
+    """The decay style, and the WSD settings exactly when it is wsd (set otherwise, they
+    would be ignored without a word)."""
+    if o.lr_decay_style not in LR_DECAY_STYLES:
+        raise ValueError(f"optimizer.lr_decay_style ({o.lr_decay_style!r}) must be one of "
+                         f"{', '.join(LR_DECAY_STYLES)}")
+    if o.lr_decay_style != "wsd":
+        if o.lr_wsd_decay_iters is not None:
+            raise ValueError(f"optimizer.lr_wsd_decay_iters ({o.lr_wsd_decay_iters}) is only "
+                             f"used with optimizer.lr_decay_style: wsd (it is "
+                             f"{o.lr_decay_style!r}); remove it or set the style to wsd")
+        return
+    if o.lr_wsd_decay_style not in _WSD_DECAY_STYLES:
+        raise ValueError(f"optimizer.lr_wsd_decay_style ({o.lr_wsd_decay_style!r}) must be one "
+                         f"of {', '.join(_WSD_DECAY_STYLES)}")
+    stable = decay - o.warmup_iters
+    if o.lr_wsd_decay_iters is None or not 1 <= o.lr_wsd_decay_iters <= stable:
+        raise ValueError(f"optimizer.lr_wsd_decay_iters ({o.lr_wsd_decay_iters}) must be set "
+                         f"with lr_decay_style: wsd, between 1 and the steps after the warmup "
+                         f"({stable} = decay length {decay} - warmup_iters {o.warmup_iters})")
 
 
 def _check_intervals(cfg) -> None:

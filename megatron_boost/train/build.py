@@ -17,7 +17,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_boost.config.resolved import ResolvedRun, to_transformer_config
 from megatron_boost.config.transformer import BoostTransformerConfig
-from megatron_boost.config.validation import lr_decay_iterations, train_iterations
+from megatron_boost.config.validation import (LR_DECAY_STYLES, lr_decay_iterations,
+                                              train_iterations)
 from megatron_boost.model.gpt import build_model
 from megatron_boost.model.init import build_globally_initialised
 from megatron_boost.train.step import (
@@ -55,11 +56,12 @@ class BuiltRun:
 
 
 def build_scheduler(optimizer, run: ResolvedRun) -> OptimizerParamScheduler:
-    """Linear warmup then cosine decay to ``optimizer.min_lr``; on resume the configuration
-    wins for every schedule parameter (``override_opt_param_scheduler``). A run without a
-    training budget (the tools that take a few steps: benchmark, equivalence harness, GPU
-    check, conversion) has no horizon to decay over, so its learning rate stays constant
-    after the warmup."""
+    """Linear warmup then the decay of ``optimizer.lr_decay_style`` (cosine, linear, or
+    megatron's WSD) to ``optimizer.min_lr`` at ``optimizer.lr_decay_iters``; on resume the
+    configuration wins for every schedule parameter (``override_opt_param_scheduler``). A run
+    without a training budget (the tools that take a few steps: benchmark, equivalence
+    harness, GPU check, conversion) has no horizon to decay over, so its learning rate stays
+    constant after the warmup."""
     cfg, o, t = run.cfg, run.cfg.optimizer, run.cfg.training
     has_length = (o.lr_decay_iters is not None or t.train_iters is not None
                   or t.train_tokens is not None)
@@ -67,7 +69,9 @@ def build_scheduler(optimizer, run: ResolvedRun) -> OptimizerParamScheduler:
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.warmup_iters, lr_decay_steps=decay_steps,
-        lr_decay_style="cosine" if has_length else "constant", start_wd=o.weight_decay,
+        lr_decay_style=LR_DECAY_STYLES[o.lr_decay_style] if has_length else "constant",
+        wsd_decay_steps=o.lr_wsd_decay_iters, lr_wsd_decay_style=o.lr_wsd_decay_style,
+        start_wd=o.weight_decay,
         end_wd=o.weight_decay,
         wd_incr_steps=max(train_iterations(cfg), 1) if has_length else 1,
         wd_incr_style="constant",

@@ -6,8 +6,9 @@ num-microbatches calculator and ``dist_checkpointing`` (``train/checkpointing.py
 megatron's ``training.py``, :meth:`Trainer.train` is a loop of named phases: train step,
 training log (with evaluation), checkpoint and decide exit.
 
-Learning rate: linear warmup over ``optimizer.warmup_iters``, then cosine decay to
-``optimizer.min_lr`` at ``optimizer.lr_decay_iters`` (default: the training length). Iteration
+Learning rate: linear warmup over ``optimizer.warmup_iters``, then the decay of
+``optimizer.lr_decay_style`` (cosine, linear, WSD) to ``optimizer.min_lr`` at
+``optimizer.lr_decay_iters`` (default: the training length, so extending a run stretches it). Iteration
 k (1-based) runs with the scheduler at step k, so the first update uses lr/warmup (not 0) and the
 last one min_lr. On resume the configuration wins for every schedule parameter
 (``override_opt_param_scheduler``); only the step count comes from the checkpoint.
