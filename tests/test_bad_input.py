@@ -232,6 +232,13 @@ def _remove(name: str):
     return damage
 
 
+def _half_written(ckpt: Path) -> None:
+    """The newest iteration as a save leaves it mid-write: still ``iter_N.tmp``, no manifest."""
+    done = sorted(ckpt.glob("iter_*"))[-1]
+    (done / "manifest.json").unlink()
+    done.rename(done.with_name(done.name + ".tmp"))
+
+
 def hf_dir(damage: Optional[Callable[[Path], None]] = None):
     """Copy the shared random HF LLaMA into ``<case>/hf``, then ``damage(<case>/hf)``."""
     def setup(ctx: Ctx):
@@ -388,7 +395,9 @@ CASES = [
          ("checkpoint.init_from", "empty", "holds no checkpoint"),
          setup=lambda ctx: (ctx.case / "empty").mkdir()),
     Case("checkpoint_other_width", resume("model.hidden_size=128"),
-         ("shape", "(256, 64)", "(256, 128)"), setup=checkpoint(), uses_checkpoint=True),
+         ("shape", "(256, 64)", "(256, 128)", "/ckpt/iter_0000003",
+          "model.hidden_size is 64 in the checkpoint, 128 here"),
+         setup=checkpoint(), uses_checkpoint=True),
     Case("checkpoint_other_rank", resume("model.attn_rank=8"),
          ("shape", "16", "8"), setup=checkpoint(), uses_checkpoint=True),
     Case("checkpoint_other_mode", resume("parallel.mode=full"),
@@ -432,6 +441,16 @@ CASES = [
     Case("import_malformed_config_json",
          tool("import_hf.py", "{case}/hf", "{case}/run", "--config", DEBUG),
          ("config.json:4", "not valid JSON"), setup=hf_dir(_break_config_json), needs=HF),
+    # -- the tools check a checkpoint's completeness as the trainer does --------------------
+    Case("generate_truncated_shard", tool("generate.py", "{case}/ckpt", "--prompt", "x"),
+         (".distcp", "truncated"), setup=checkpoint(_truncate_shard), uses_checkpoint=True),
+    Case("evaluate_half_written_checkpoint",
+         tool("evaluate.py", "{case}/ckpt/iter_0000003.tmp", "--input", "{shared}/corpus.txt"),
+         ("iter_0000003.tmp", "manifest.json", "not committed"),
+         setup=checkpoint(_half_written), uses_checkpoint=True),
+    Case("export_common_state_missing", tool("export_hf.py", "{case}/ckpt", "{case}/out"),
+         ("common.pt", "missing"), setup=checkpoint(_remove("common.pt")), uses_checkpoint=True,
+         needs=HF),
     # -- tools -----------------------------------------------------------------------------
     Case("preprocess_no_input", tool("preprocess_data.py", "--input", "{case}/none.txt",
                                      "--tokenizer-model", "{tok}", "--output-prefix",

@@ -26,7 +26,10 @@ from megatron_boost.config.run import RunConfig, load_run_config
 from megatron_boost.data.datasets import build_tokenizer
 from megatron_boost.model.init import sharded_params
 from megatron_boost.train.build import build_run
-from megatron_boost.train.checkpointing import TRACKER_FILE, find_checkpoint, save_checkpoint
+from megatron_boost.train.checkpoint_guard import (check_tensor_shapes, read_common_state,
+                                                   verify_manifest)
+from megatron_boost.train.checkpointing import (TRACKER_FILE, check_format_version,
+                                                find_checkpoint, save_checkpoint)
 from megatron_boost.train.distributed import init_distributed, init_world_of_one, shutdown
 from megatron_boost.train.resilience import process_group_timeout
 from megatron_boost.train.state import TrainState
@@ -70,12 +73,18 @@ def single_process(seed: int = 1234) -> Iterator[None]:
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """A run's checkpoint folder (its latest iteration, by the tracker) or one iter_* folder."""
+    """A run's checkpoint folder (its latest iteration, by the tracker) or one iter_* folder,
+    checked complete as the trainer checks it before reading (train/checkpoint_guard.py: every
+    file against the manifest, so a half-written or damaged checkpoint is one error)."""
     ckpt = find_checkpoint(path) if Path(path).is_dir() else None
     if ckpt is None:
         raise ValueError(f"checkpoint '{path}' is neither a checkpoint folder with "
                          f"{TRACKER_FILE} nor an iter_* folder with metadata.json; give a run's "
                          f"checkpoints folder (e.g. runs/debug/checkpoints)")
+    if not ckpt.is_dir():
+        raise ValueError(f"checkpoint '{path}': {TRACKER_FILE} names {ckpt.name}, which does "
+                         f"not exist (deleted or not yet written)")
+    verify_manifest(ckpt)
     return ckpt
 
 
@@ -83,10 +92,9 @@ def saved_run_config(ckpt: Path, overrides: Sequence[str] = (),
                      world_size: Optional[int] = None) -> Tuple[RunConfig, dict]:
     """The run configuration saved in a checkpoint's common state (with ``overrides``,
     validated for ``world_size`` processes when given), and that state."""
-    from megatron.core import dist_checkpointing
-
-    boost = dist_checkpointing.load_common_state_dict(str(ckpt)).get("boost_state")
-    if boost is None or "run_config" not in boost:
+    boost = read_common_state(ckpt)
+    check_format_version(boost, ckpt)
+    if "run_config" not in boost:
         raise ValueError(f"{ckpt} is not a megatron-boost checkpoint (no boost_state with the "
                          f"run config); export only checkpoints written by pretrain_lowrank.py")
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,6 +158,7 @@ def load_chunk_weights(chunks: List, ckpt: Path) -> None:
     from megatron_boost.train.checkpointing import load_model_state
 
     sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    check_tensor_shapes(ckpt, sharded)
     loaded = load_sharded(sharded, str(ckpt))
     for i, chunk in enumerate(chunks):
         load_model_state(chunk, loaded[f"model{i}"])

@@ -45,6 +45,10 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
 _TEMP_SUFFIX = ".tmp"
 _CRC_CHUNK = 1 << 22
+# Run-config keys that set tensor shapes (named when a checkpoint's shapes differ).
+_SHAPE_KEYS = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
+               "model.num_attention_heads", "model.num_query_groups", "model.kv_channels",
+               "model.attn_rank", "model.mlp_rank", "model.rank_ratio")
 # Run-config keys that change the computed function without changing any tensor's shape.
 _SHAPELESS_ARCH_KEYS = ("model.bottleneck_activation", "model.mlp_gate_activation",
                         "model.rotary_base")
@@ -233,9 +237,22 @@ def _expected_tensors(sharded_sd: dict) -> Iterable:
         yield from (p for p in pieces if isinstance(p, ShardedTensor))
 
 
-def check_tensor_shapes(ckpt_dir: Path, sharded_sd: dict) -> None:
+def _shape_settings(saved_cfg: Optional[Dict], current_cfg: Optional[Dict]) -> str:
+    """The shape-setting config keys on which a checkpoint's run and this one differ, as
+    'model.hidden_size is 64 in the checkpoint, 128 here', or a pointer to where to look."""
+    if saved_cfg is None or current_cfg is None:
+        return "check model.* and the tokenizer against the checkpoint's config"
+    diffs = [f"{k} is {_lookup(saved_cfg, k)!r} in the checkpoint, {_lookup(current_cfg, k)!r} "
+             f"here" for k in _SHAPE_KEYS if _lookup(saved_cfg, k) != _lookup(current_cfg, k)]
+    return ("; ".join(diffs) if diffs else "no model.* key differs from the checkpoint's "
+            "config: check the tokenizer (the vocabulary sets the embedding rows)")
+
+
+def check_tensor_shapes(ckpt_dir: Path, sharded_sd: dict, saved_cfg: Optional[Dict] = None,
+                        current_cfg: Optional[Dict] = None) -> None:
     """Every ShardedTensor of ``sharded_sd`` must exist in the checkpoint with the same global
-    shape; ``ValueError`` names the first that does not, with both shapes."""
+    shape; ``ValueError`` names the checkpoint, the first tensor that does not, both shapes
+    and (given both run configs) the config keys that differ."""
     from megatron.core import dist_checkpointing
 
     saved = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
@@ -246,9 +263,9 @@ def check_tensor_shapes(ckpt_dir: Path, sharded_sd: dict) -> None:
                              f"or mode; check model.* and parallel.mode")
         have = tuple(saved[sh.key].global_shape)
         if have != tuple(sh.global_shape):
-            raise ValueError(f"checkpoint tensor '{sh.key}' has shape {have}, this model's is "
-                             f"{tuple(sh.global_shape)}: another architecture or rank; check "
-                             f"model.* against the checkpoint's config")
+            raise ValueError(f"checkpoint {ckpt_dir}: tensor '{sh.key}' has shape {have}, this "
+                             f"model's is {tuple(sh.global_shape)}: "
+                             f"{_shape_settings(saved_cfg, current_cfg)}")
 
 
 def _lookup(cfg: Dict, dotted: str):

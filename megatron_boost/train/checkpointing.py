@@ -182,7 +182,8 @@ def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg, weights_only: bool = 
     verify_manifest(ckpt_dir)
     load_optim = not (run_cfg.checkpoint.no_load_optim or weights_only)
     saved = _read_saved_state(ckpt_dir, load_optim, run_cfg.parallel.use_distributed_optimizer)
-    check_tensor_shapes(ckpt_dir, _model_sharded_state_dict(ddp_chunks))
+    check_tensor_shapes(ckpt_dir, _model_sharded_state_dict(ddp_chunks),
+                        saved.get("run_config", {}), dataclasses.asdict(run_cfg))
     check_architecture(ckpt_dir, saved.get("run_config", {}), dataclasses.asdict(run_cfg))
     return saved
 
