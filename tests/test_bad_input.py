@@ -150,6 +150,23 @@ def write(name: str, content):
     return setup
 
 
+def setups(*steps):
+    """Several setup steps, in order."""
+    def setup(ctx: Ctx):
+        for step in steps:
+            step(ctx)
+    return setup
+
+
+def hf_tokenizer_dir(name: str, *files: str):
+    """A directory ``<case>/<name>`` holding only ``files`` (each ``{}``)."""
+    def setup(ctx: Ctx):
+        (ctx.case / name).mkdir()
+        for f in files:
+            (ctx.case / name / f).write_text("{}")
+    return setup
+
+
 def _data_prefix(ctx: Ctx, name: str) -> Path:
     return ctx.case / name
 
@@ -357,6 +374,21 @@ CASES = [
     Case("tokenizer_missing", train("data.mock=false", "data.tokenizer_model={case}/no.model",
                                     "data.data_path=[{case}/d]"),
          ("data.tokenizer_model", "no.model", "does not exist"), setup=dataset("d")),
+    Case("tokenizer_wrong_kind", train("data.mock=false", "data.tokenizer_model={case}/t.model",
+                                       "data.data_path=[{case}/d]"),
+         ("data.tokenizer_model", "t.model", "not a SentencePiece model"),
+         setup=setups(dataset("d"), write("t.model", "not a model\n"))),
+    Case("tokenizer_hf_dir_incomplete",
+         train("data.mock=false", "data.tokenizer_type=huggingface",
+               "data.tokenizer_model={case}/tok", "data.data_path=[{case}/d]"),
+         ("data.tokenizer_model", "tok", "incomplete", "tokenizer.json"),
+         setup=setups(dataset("d"), hf_tokenizer_dir("tok", "tokenizer_config.json"))),
+    Case("tokenizer_hf_json_broken",
+         train("data.mock=false", "data.tokenizer_type=huggingface",
+               "data.tokenizer_model={case}/tok", "data.data_path=[{case}/d]"),
+         ("data.tokenizer_model", "tok", "cannot be loaded", "huggingface"),
+         setup=setups(dataset("d"), hf_tokenizer_dir("tok", "tokenizer.json",
+                                                     "tokenizer_config.json")), process=True),
     Case("data_idx_empty", train(*DATA, "data.data_path=[{case}/d]"), ("d.idx", "is empty"),
          setup=dataset("d", _truncate(".idx", 0))),
     Case("data_bin_empty", train(*DATA, "data.data_path=[{case}/d]"), ("d.bin", "is empty"),
@@ -463,6 +495,20 @@ CASES = [
                                          "--tokenizer-model", "{tok}", "--output-prefix",
                                          "{case}/out", "--workers", "0"),
          ("--workers", "0"), code=None, process=True),
+    Case("preprocess_tokenizer_wrong_kind",
+         tool("preprocess_data.py", "--input", "{shared}/corpus.txt", "--tokenizer-model",
+              "{case}/t.model", "--output-prefix", "{case}/out"),
+         ("--tokenizer-model", "t.model", "not a SentencePiece model"), code=None,
+         setup=write("t.model", "not a model\n")),
+    Case("preprocess_binary_input",
+         tool("preprocess_data.py", "--input", "{case}/in", "--tokenizer-model", "{tok}",
+              "--output-prefix", "{case}/out"), ("b.dat", "binary", "NUL"), code=None,
+         setup=setups(lambda ctx: (ctx.case / "in").mkdir(),
+                      write("in/a.txt", "to be\n"), write("in/b.dat", b"\x89PNG\r\n\x00\x00"))),
+    Case("tokenizer_not_utf8_input",
+         tool("train_tokenizer.py", "--input", "{case}/l1.txt", "--vocab-size", "300",
+              "--model-prefix", "{case}/spm"), ("l1.txt", "not UTF-8"), code=None,
+         setup=write("l1.txt", "caf\xe9 au lait\n".encode("latin-1") * 10)),
     Case("tokenizer_no_input", tool("train_tokenizer.py", "--input", "{case}/none.txt",
                                     "--vocab-size", "300", "--model-prefix", "{case}/spm"),
          ("none.txt",), code=None),

@@ -180,6 +180,13 @@ def check_args(args: argparse.Namespace) -> list[str]:
             f"exist; train one with tools/train_tokenizer.py or give a Hugging Face tokenizer "
             f"directory"
         )
+    from megatron_boost.data.datasets import check_tokenizer_files
+
+    kind = "huggingface" if os.path.isdir(args.tokenizer_model) else "sentencepiece"
+    try:
+        check_tokenizer_files(args.tokenizer_model, kind, "--tokenizer-model")
+    except ValueError as err:
+        raise SystemExit(f"preprocess_data.py: error: {err}") from None
     files = expand_inputs(args.input, "preprocess_data.py")
     if not files:
         raise SystemExit(f"preprocess_data.py: error: no files in --input {' '.join(args.input)}")

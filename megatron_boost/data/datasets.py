@@ -31,6 +31,7 @@ __all__ = [
     "DataConfig",
     "parse_blend",
     "build_tokenizer",
+    "check_tokenizer_files",
     "build_gpt_datasets",
     "get_batch",
 ]
@@ -193,11 +194,7 @@ class DataConfig:
                 f"data.tokenizer_model '{self.tokenizer_model}' does not exist; train it with "
                 f"tools/train_tokenizer.py or fix the path"
             )
-        if self.tokenizer_type == "sentencepiece" and not os.path.isfile(self.tokenizer_model):
-            raise ValueError(
-                f"data.tokenizer_model '{self.tokenizer_model}' is not a file; a SentencePiece "
-                f"tokenizer is a single .model file"
-            )
+        check_tokenizer_files(self.tokenizer_model, self.tokenizer_type, "data.tokenizer_model")
 
     @staticmethod
     def _validate_blend(paths: list, name: str) -> None:
@@ -227,6 +224,39 @@ def _parse_split(split: str) -> list[float]:
     return weights + [0.0] * (3 - len(weights))
 
 
+#: Files of which a Hugging Face tokenizer directory needs at least one (tokenizer.json: a fast
+#: tokenizer; tokenizer.model: a SentencePiece one; vocab.json: a BPE vocabulary).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer_files(path: str, tokenizer_type: str, name: str) -> None:
+    """``ValueError`` naming ``name`` when the existing ``path`` is not a tokenizer of that
+    kind: a SentencePiece tokenizer is one ``.model`` file that SentencePiece parses, a Hugging
+    Face tokenizer a directory holding one of :data:`HF_TOKENIZER_FILES`."""
+    if tokenizer_type == "huggingface":
+        if not os.path.isdir(path):
+            raise ValueError(f"{name} '{path}' is a file; a Hugging Face tokenizer is a directory "
+                             f"(with tokenizer.json); a SentencePiece .model file is "
+                             f"tokenizer_type sentencepiece")
+        if not any(os.path.isfile(os.path.join(path, f)) for f in HF_TOKENIZER_FILES):
+            raise ValueError(f"{name} '{path}' is an incomplete Hugging Face tokenizer "
+                             f"directory: it holds none of {', '.join(HF_TOKENIZER_FILES)}; "
+                             f"save the tokenizer there with save_pretrained()")
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"{name} '{path}' is a directory; a SentencePiece tokenizer is a single "
+                         f".model file (a Hugging Face tokenizer directory is tokenizer_type "
+                         f"huggingface)")
+    import sentencepiece as spm
+
+    try:
+        spm.SentencePieceProcessor(model_file=path)
+    except (RuntimeError, OSError) as err:
+        reason = " ".join(str(err).split())[:120]
+        raise ValueError(f"{name} '{path}' is not a SentencePiece model ({reason}); give the "
+                         f".model file tools/train_tokenizer.py wrote") from None
+
+
 def build_tokenizer(data_cfg: DataConfig):
     """Load the tokenizer named by ``data_cfg`` as a Megatron tokenizer.
 
@@ -245,7 +275,12 @@ def build_tokenizer(data_cfg: DataConfig):
         # Mock data without a tokenizer file: Megatron's null tokenizer uses its last id as EOD.
         return null_tokenizer(data_cfg.mock_vocab_size - 1)
     metadata = {"library": data_cfg.tokenizer_type, "model_type": "gpt", "chat_template": None}
-    return MegatronTokenizer.from_pretrained(data_cfg.tokenizer_model, metadata_path=metadata)
+    try:
+        return MegatronTokenizer.from_pretrained(data_cfg.tokenizer_model, metadata_path=metadata)
+    except Exception as err:  # noqa: BLE001 - each library raises its own kinds
+        reason = " ".join(str(err).split())[:200]
+        raise ValueError(f"data.tokenizer_model '{data_cfg.tokenizer_model}' cannot be loaded "
+                         f"as a {data_cfg.tokenizer_type} tokenizer ({reason})") from None
 
 
 @contextlib.contextmanager
