@@ -1,4 +1,4 @@
-"""argparse ``type=`` checks for the tools' numeric arguments: a value out of range is refused
+"""argparse ``type=`` checks for the tools' numeric arguments and mode lists: a value out of range is refused
 while the command line is parsed, before anything is loaded, with argparse's one ``error:``
 line (exit status 2) naming the argument, the value and the rule."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 __all__ = ["positive_int", "non_negative_int", "non_negative_float", "probability",
-           "fraction"]
+           "fraction", "mode_list"]
 
 
 def _number(text: str, kind):
@@ -53,3 +53,21 @@ def fraction(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"{value} must be in [0, 1]")
     return value
+
+
+def mode_list(text: str) -> list:
+    """A comma-separated list of tensor-parallel modes (``full,naive,boost``): at least one,
+    each known and given once (an unknown mode would be skipped and the tool exit 0 having
+    measured nothing)."""
+    from megatron_boost.config.modes import TPMode
+
+    known = [m.value for m in TPMode]
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in known]
+    if unknown or not modes:
+        what = f"'{unknown[0]}' is not a mode" if unknown else "no mode given"
+        raise argparse.ArgumentTypeError(f"{what}: give a comma-separated list of "
+                                         f"{', '.join(known)}")
+    if len(set(modes)) < len(modes):
+        raise argparse.ArgumentTypeError(f"'{text}' names a mode twice")
+    return modes

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_boost.cli.arg_types import non_negative_int, positive_int
+from megatron_boost.cli.arg_types import mode_list, non_negative_int, positive_int
 import copy
 import gc
 import json
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="YAML run config")
     parser.add_argument("--tp", type=positive_int, required=True)
     parser.add_argument("--pp", type=positive_int, default=1)
-    parser.add_argument("--modes", default="full,naive,boost")
+    parser.add_argument("--modes", type=mode_list, default="full,naive,boost")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per mode")
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps per mode")
     parser.add_argument("--single", action="store_true",
@@ -419,7 +419,7 @@ def main(argv=None) -> int:
         raise ValueError(f"global batch ({gbs}) must be a multiple of micro-batch ({mb})")
     dtype = "bf16" if cfg.training.precision == "bf16" else "fp32"
     recompute = None if args.recompute == "none" else args.recompute
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.modes
     unavailable = _unavailable(cfg, modes, args.tp, args.pp, recompute)
     single_why = None
     if args.single:

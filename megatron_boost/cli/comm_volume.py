@@ -31,7 +31,7 @@ import sys
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence
 
-from megatron_boost.cli.arg_types import positive_int
+from megatron_boost.cli.arg_types import mode_list, positive_int
 from megatron_boost.cli.errors import one_line_errors
 
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TP size (default: the config's)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                         help="activation dtype (default: the config's precision; auto -> bf16)")
-    parser.add_argument("--modes", default="full,naive,boost")
+    parser.add_argument("--modes", type=mode_list, default="full,naive,boost")
     parser.add_argument("--measure-tokens", type=positive_int, default=None,
                         help="tokens of the measured layer run (default 8·tp, micro-batch 1)")
     parser.add_argument("--formula-only", action="store_true", help="skip the measurement")
@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mb = args.micro_batch_size or cfg.training.micro_batch_size
     seq = args.seq_length or cfg.model.seq_length
     dtype = args.dtype or ("fp32" if cfg.training.precision == "fp32" else "bf16")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.modes
     error = _invalid_mode(cfg, modes, tp)
     if error:
         raise ValueError(error)

@@ -15,8 +15,8 @@ import dataclasses
 import json
 from typing import Dict, Optional, Sequence
 
-from megatron_boost.cli.arg_types import positive_int
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.cli.arg_types import mode_list, positive_int
+from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.cli.errors import one_line_errors
 from megatron_boost.perf.hardware import HARDWARE, hardware
 from megatron_boost.perf.model import RECOMPUTE, Layout, predict
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--global-batch-size", type=positive_int)
     ap.add_argument("--recompute", choices=RECOMPUTE)
     ap.add_argument("--distributed-optimizer", action="store_true", default=None)
-    ap.add_argument("--modes", default="full,naive,boost")
+    ap.add_argument("--modes", type=mode_list, default="full,naive,boost")
     ap.add_argument("--compare-published", action="store_true",
                     help="reproduce the BOOST authors' A100 table (built-in shapes)")
     ap.add_argument("--recommend", action="store_true",
@@ -139,10 +139,7 @@ def _sizing_table(write: Optional[str]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     hw = hardware(args.gpu)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        if m not in MODES:
-            raise ValueError(f"--modes: unknown mode '{m}' (one of {', '.join(MODES)})")
+    modes = args.modes
     if args.sizing_table:
         return _sizing_table(args.write)
     result: Dict = {"gpu": hw.name, "hardware": dataclasses.asdict(hw)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Sequence
 
-from megatron_boost.cli.arg_types import positive_int
+from megatron_boost.cli.arg_types import mode_list, positive_int
 from megatron_boost.cli.errors import one_line_errors
 
 __all__ = ["main", "bf16_error_worker", "precision_models"]
@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", default="configs/debug.yaml", help="YAML run configuration")
     parser.add_argument("--tp", type=positive_int, default=2,
                         help="tensor-parallel size (processes)")
-    parser.add_argument("--modes", default="full,naive,boost", help="comma-separated modes")
+    parser.add_argument("--modes", type=mode_list, default="full,naive,boost", help="comma-separated modes")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser.parse_args(argv)
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_boost.runtime.spawn import run_distributed
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.modes
     rows = run_distributed(bf16_error_worker, args.tp, args.config, list(args.overrides),
                            modes)[0]
     print(f"bf16 vs fp32 (same weights), {args.config}, TP={args.tp}")

@@ -31,12 +31,19 @@ _POSITIVE = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
              "model.num_attention_heads", "model.vocab_size", "model.seq_length",
              "model.rank_ratio", "parallel.tp", "parallel.pp", "parallel.timeout_minutes",
              "training.micro_batch_size", "training.global_batch_size",
-             "training.max_skipped_steps")
-# A learning rate of 0 is allowed (frozen weights: evaluation runs, conversion checks).
-_NON_NEGATIVE = ("optimizer.lr", "optimizer.min_lr")
+             "training.max_skipped_steps", "model.norm_epsilon", "model.rotary_base",
+             "optimizer.adam_eps")
+# A learning rate of 0 is allowed (frozen weights: evaluation runs, conversion checks); so is a
+# zero clip (no clipping), weight decay, std or evaluation count. A negative one would quietly
+# disable the feature or fail deep inside torch, so it is refused.
+_NON_NEGATIVE = ("optimizer.lr", "optimizer.min_lr", "optimizer.clip_grad",
+                 "optimizer.weight_decay", "model.init_method_std", "training.eval_iters",
+                 "training.seed")
 _POSITIVE_OR_NULL = ("model.num_query_groups", "model.kv_channels", "model.attn_rank",
                      "model.mlp_rank", "parallel.vpp", "parallel.dp", "checkpoint.keep_last",
-                     "training.train_iters", "training.train_tokens")
+                     "training.train_iters", "training.train_tokens", "logging.peak_tflops")
+# Adam's moment decay rates lie in [0, 1).
+_UNIT_INTERVAL = ("optimizer.adam_beta1", "optimizer.adam_beta2")
 _RECOMPUTE = (None, "selective", "full", "lowrank")
 
 
@@ -132,6 +139,9 @@ def _check_positive(cfg) -> None:
     for dotted in _NON_NEGATIVE:
         if _value(cfg, dotted) < 0:
             raise ValueError(f"{dotted} ({_value(cfg, dotted)}) must be >= 0")
+    for dotted in _UNIT_INTERVAL:
+        if not 0 <= _value(cfg, dotted) < 1:
+            raise ValueError(f"{dotted} ({_value(cfg, dotted)}) must be in [0, 1)")
 
 
 def _check_one_budget(cfg) -> None:

@@ -171,7 +171,30 @@ def _tokenizer_overrides(hf_dir: Path, overrides: Sequence[str]) -> List[str]:
     return ["data.tokenizer_type=huggingface", f"data.tokenizer_model={hf_dir}"]
 
 
+#: checkpoint keys train.yaml sets itself (init_from: the import; load, save: the run's own).
+_CHECKPOINT_KEYS_SET = ("checkpoint.init_from", "checkpoint.load", "checkpoint.save")
+
+
+def _check_no_ignored_override(hf: dict, overrides: Sequence[str]) -> None:
+    """A command-line setting the import would replace is an error, not silently dropped: the
+    model's shape comes from the HF directory, and train.yaml sets the checkpoint keys."""
+    taken = dict(item.split("=", 1) for item in _shape_overrides(hf))
+    taken["model.vocab_size"] = str(hf["vocab_size"])
+    for item in overrides:
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key in taken and yaml.safe_load(value) != yaml.safe_load(taken[key]):
+            raise ValueError(f"override '{item}': the import takes {key} from the HF model "
+                             f"({taken[key]}); remove the override (change the shape after "
+                             f"the import by training a new model)")
+        if key in _CHECKPOINT_KEYS_SET:
+            raise ValueError(f"override '{item}' would be ignored: train.yaml starts from the "
+                             f"import (checkpoint.init_from) and saves under its run "
+                             f"directory; give {key} when training, or --run-dir here")
+
+
 def _run_config(hf: dict, hf_dir: Path, config: Optional[str], overrides: Sequence[str]):
+    _check_no_ignored_override(hf, overrides)
     cfg = mb.load_run_config(config, [*_tokenizer_overrides(hf_dir, overrides), *overrides,
                                       *_shape_overrides(hf),
                                       f"model.vocab_size={hf['vocab_size']}"])
