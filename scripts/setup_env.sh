@@ -162,6 +162,66 @@ ensure_torch() {  # the requested build; an existing torch of the right build is
   fi
 }
 
+# Every request checked before anything is installed or created (exit 2, one line): the
+# interpreter's version (pyproject's requires-python), MCORE and TORCH within requirements.txt's
+# ranges, the Python a megatron-core version needs (0.17 and later: 3.12), each EXTRAS name an
+# extra of pyproject.toml (pip would skip an unknown one with a warning).
+check_request() {
+  local py
+  if [ "$CONTAINER" = 0 ] && [ -x "$VENV/bin/python" ]; then
+    py=$VENV/bin/python  # an existing environment is reused with its own interpreter
+  else
+    py=$(resolve_python)
+  fi
+  "$py" - "${MCORE:-}" "${TORCH:-}" "$EXTRAS" "$MCORE_SPEC" "$TORCH_SPEC" "$py" <<'EOF' || exit 2
+import re
+import sys
+
+mcore, torch_version, extras, mcore_spec, torch_spec, py = sys.argv[1:]
+pyproject = open("pyproject.toml").read()
+
+
+def version(text):
+    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def inside(text, spec):
+    """spec like 'megatron-core>=0.16,<0.20' (the operators requirements.txt uses)."""
+    ops = {">=": lambda a, b: a >= b, "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
+           ">": lambda a, b: a > b, "==": lambda a, b: a == b}
+    return all(ops[op](version(text), version(bound))
+               for op, bound in re.findall(r"(>=|<=|==|<|>)\s*([\d.]+)", spec))
+
+
+def fail(message):
+    print(f"setup_env.sh: error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+have = sys.version_info[:2]
+need = re.search(r'requires-python\s*=\s*"([^"]+)"', pyproject).group(1)
+if not inside(f"{have[0]}.{have[1]}", need):
+    fail(f"{py} is Python {have[0]}.{have[1]}; megatron-boost needs Python {need}: set PYTHON")
+if "+" in torch_version:
+    fail(f"TORCH={torch_version}: give the version without a build suffix (the CPU build's "
+         f"+cpu is added by the script)")
+for name, value, spec in (("MCORE", mcore, mcore_spec), ("TORCH", torch_version, torch_spec)):
+    if value and not (re.fullmatch(r"\d+(\.\d+){1,2}", value) and inside(value, spec)):
+        fail(f"{name}={value} is not a version in the tested range {spec} (requirements.txt); "
+             f"pick one inside it")
+if mcore and version(mcore) >= (0, 17) and have < (3, 12):
+    fail(f"MCORE={mcore} needs Python >= 3.12 (megatron-core 0.17 and later), {py} is "
+         f"{have[0]}.{have[1]}: set PYTHON=python3.12, or MCORE=0.16.1")
+section = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+known = re.findall(r"^([\w-]+)\s*=", section, re.M)
+for extra in filter(None, extras.split(",")):
+    if extra not in known:
+        fail(f"EXTRAS names '{extra}', which is not an extra of pyproject.toml (one of "
+             f"{', '.join(known)})")
+EOF
+}
+check_request
+
 # ---- --container: into the current Python, replacing none of its frameworks ----------------
 container_install() {
   local py

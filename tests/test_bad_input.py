@@ -140,6 +140,15 @@ def tool(script: str, *args):
     return argv
 
 
+def setup_env(**env):
+    """``scripts/setup_env.sh --cpu`` with ``env`` and its environment at the case's run
+    directory (which must not appear: the request is checked before anything is created)."""
+    def argv(ctx: Ctx):
+        return ["env", f"VENV={ctx.run}", f"PYTHON={sys.executable}",
+                *(f"{k}={v}" for k, v in env.items()), "bash", "scripts/setup_env.sh", "--cpu"]
+    return argv
+
+
 def write(name: str, content):
     def setup(ctx: Ctx):
         path = ctx.case / name
@@ -506,6 +515,16 @@ CASES = [
          ("--modes", "'fulll'", "full, naive, boost")),
     Case("perf_model_no_mode", tool("perf_model.py", "--config", DEBUG, "--modes", ","),
          ("--modes", "no mode")),
+    # -- set-up: the request is checked before anything is created or installed ------------
+    Case("setup_mcore_outside_range", setup_env(MCORE="0.25.0"),
+         ("MCORE=0.25.0", "megatron-core>=0.16,<0.20"), process=True),
+    # this interpreter is the one asked for: the rule applies to Pythons before 3.12 (the
+    # compatibility tier's 3.12 checks the range case above instead)
+    *([Case("setup_mcore_needs_newer_python", setup_env(MCORE="0.19.2"),
+            ("MCORE=0.19.2", "Python >= 3.12"), process=True)]
+      if sys.version_info < (3, 12) else []),
+    Case("setup_unknown_extra", setup_env(EXTRAS="plot,evall"),
+         ("'evall'", "pyproject.toml", "eval"), process=True),
     # -- tools -----------------------------------------------------------------------------
     Case("preprocess_no_input", tool("preprocess_data.py", "--input", "{case}/none.txt",
                                      "--tokenizer-model", "{tok}", "--output-prefix",
