@@ -384,6 +384,12 @@ CASES = [
     # reports its own status for a failed rank) and by the launchers' --check alike.
     Case("groups_not_divisible_by_tp", torchrun2("parallel.tp=2", "model.num_query_groups=1"),
          ("num_query_groups", "1", "divisible"), code=None, process=True),
+    # the model-shape rules the layers enforce are refused by --check (submit.sh) too
+    Case("check_lowrank_recompute_full_mode",
+         check(1, "training.recompute=lowrank", "parallel.mode=full"),
+         ("recompute 'lowrank'", "naive and boost")),
+    Case("check_rank_ratio_above_one", check(1, "model.attn_rank=null", "model.rank_ratio=2"),
+         ("attn_rank (128)", "hidden_size (64)", "model.rank_ratio")),
     Case("ffn_not_divisible_by_tp", check(2, "parallel.tp=2", "model.ffn_hidden_size=127"),
          ("ffn_hidden_size", "127", "divisible")),
     # -- data ------------------------------------------------------------------------------

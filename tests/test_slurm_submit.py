@@ -66,6 +66,16 @@ def test_the_layout_is_checked_for_the_requested_world_size(fake_sbatch, tmp_pat
     assert not record.exists()
 
 
+def test_every_model_shape_rule_is_checked_before_sbatch(fake_sbatch, tmp_path):
+    env, record = fake_sbatch
+    # a rule the layers enforce when the model is built, not a divisibility of the layout
+    proc = submit(env, "--gpus-per-node=2", "configs/debug.yaml", "parallel.tp=2",
+                  "model.attn_rank=null", "model.rank_ratio=2",
+                  f"logging.run_dir={tmp_path / 'run'}")
+    _one_error_line(proc, "attn_rank (128) must not exceed hidden_size (64)")
+    assert not record.exists()
+
+
 def test_missing_data_fails_before_sbatch(fake_sbatch, tmp_path):
     env, record = fake_sbatch
     proc = submit(env, "--gpus-per-node=1", "configs/debug.yaml", "data.mock=false",

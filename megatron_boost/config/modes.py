@@ -49,6 +49,31 @@ def default_rank(hidden_size: int, rank_ratio: float = 0.25) -> int:
     return max(1, int(round(rank_ratio * hidden_size)))
 
 
+def check_bottleneck_ranks(mode, hidden_size: int, **ranks: Optional[int]) -> None:
+    """The rule of a bottleneck model's ranks (``attn_rank=.., mlp_rank=..``), checked by the
+    run validation and by BoostTransformerConfig: each a positive integer no wider than the
+    layer it factorises."""
+    mode = TPMode.parse(mode)
+    for name, value in ranks.items():
+        if value is None or int(value) <= 0:
+            raise ValueError(
+                f"{name} ({value}) must be a positive integer in {mode.value} mode; set "
+                f"model.{name} (CoLA uses about hidden_size/4)")
+        if value > hidden_size:
+            raise ValueError(
+                f"{name} ({value}) must not exceed hidden_size ({hidden_size}): a bottleneck "
+                f"wider than the layer it factorises saves nothing; lower model.{name} or "
+                f"model.rank_ratio")
+
+
+def check_lowrank_recompute(mode, lowrank_recompute: bool) -> None:
+    """Low-rank activation checkpointing exists only for the bottleneck modes."""
+    if lowrank_recompute and not TPMode.parse(mode).is_lowrank:
+        raise ValueError(
+            "recompute 'lowrank' (low-rank activation checkpointing) applies to the naive "
+            "and boost modes; for the full-rank model use recompute 'selective' or 'full'")
+
+
 def tp_sharded_sizes(mode, *, hidden_size: int, ffn_hidden_size: Optional[int],
                      num_attention_heads: int, num_query_groups: Optional[int],
                      attn_rank: Optional[int], mlp_rank: Optional[int]

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
-from megatron_boost.config.modes import TPMode, check_tp_split
+from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_lowrank_recompute,
+                                          check_tp_split)
 
 __all__ = [
     "BoostTransformerConfig",
@@ -100,10 +101,7 @@ class BoostTransformerConfig(TransformerConfig):
         if self.attention_backend not in ("sdpa", "local", "te"):
             raise ValueError(f"attention_backend ({self.attention_backend!r}) must be one of "
                              f"sdpa, local, te (resolve 'auto' with runtime.backends first)")
-        if self.lowrank_recompute and not self.tp_mode.is_lowrank:
-            raise ValueError(
-                "recompute 'lowrank' (low-rank activation checkpointing) applies to the naive "
-                "and boost modes; for the full-rank model use recompute 'selective' or 'full'")
+        check_lowrank_recompute(self.tp_mode, self.lowrank_recompute)
         if self.tp_mode.is_lowrank:
             self._check_bottlenecks()
         self._check_tp_split()
@@ -118,16 +116,8 @@ class BoostTransformerConfig(TransformerConfig):
     def _check_bottlenecks(self) -> None:
         """The activation and both ranks of the bottleneck model (naive and boost modes)."""
         get_bottleneck_activation(self.bottleneck_activation)
-        for name in ("attn_rank", "mlp_rank"):
-            value = getattr(self, name)
-            if value is None or int(value) <= 0:
-                raise ValueError(
-                    f"{name} ({value}) must be a positive integer in {self.tp_mode.value} "
-                    f"mode; set model.{name} (CoLA uses about hidden_size/4)")
-            if value > self.hidden_size:
-                raise ValueError(
-                    f"{name} ({value}) must not exceed hidden_size ({self.hidden_size}): a "
-                    f"bottleneck wider than the layer it factorises saves nothing")
+        check_bottleneck_ranks(self.tp_mode, self.hidden_size, attn_rank=self.attn_rank,
+                               mlp_rank=self.mlp_rank)
 
     def _check_tp_split(self) -> None:
         """Every dimension the mode shards must divide by the tensor-parallel size."""

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_boost.config.modes import TPMode, check_tp_split
+from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_lowrank_recompute,
+                                          check_tp_split)
 from megatron_boost.runtime.backends import check_attention_backend
 
 __all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations",
@@ -113,6 +114,7 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_one_budget(cfg)
     _check_layout(cfg)
     _check_modes(cfg)
+    _check_bottlenecks(cfg)
     if world_size is None:
         _check_tp_split(cfg)
         return
@@ -185,6 +187,18 @@ def _check_tp_split(cfg) -> None:
     check_tp_split(mode, par.tp, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
                    num_attention_heads=m.num_attention_heads,
                    num_query_groups=m.num_query_groups, attn_rank=attn_rank, mlp_rank=mlp_rank)
+
+
+def _check_bottlenecks(cfg) -> None:
+    """The model-shape rules BoostTransformerConfig enforces at build time, checked here so a
+    launcher's --check (and submit.sh) refuses the layout: ranks no wider than the layer,
+    lowrank recompute only in a bottleneck mode."""
+    mode = TPMode.parse(cfg.parallel.mode)
+    check_lowrank_recompute(mode, cfg.training.recompute == "lowrank")
+    if mode.is_lowrank:
+        attn_rank, mlp_rank = cfg.model.resolved_ranks()
+        check_bottleneck_ranks(mode, cfg.model.hidden_size, attn_rank=attn_rank,
+                               mlp_rank=mlp_rank)
 
 
 def _check_modes(cfg) -> None:
