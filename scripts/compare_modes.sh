@@ -15,7 +15,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 if [ $# -lt 1 ]; then
-    echo "usage: scripts/compare_modes.sh <config.yaml> [section.key=value ...]" >&2
+    echo "compare_modes.sh: error: no config given; usage: scripts/compare_modes.sh <config.yaml> [section.key=value ...]" >&2
     exit 2
 fi
 CONFIG=$1

@@ -129,7 +129,8 @@ def _sizing_table(write: Optional[str]) -> int:
         return 0
     path = Path(write)
     if not path.is_file():
-        raise SystemExit(f"--write '{write}' does not exist")
+        raise ValueError(f"--write '{write}' is not an existing file; give the Markdown file "
+                         f"whose sizing table to replace (e.g. docs/sizing.md)")
     path.write_text(replace_table(path.read_text(), table))
     print(f"wrote the sizing table into {write}")
     return 0
