@@ -175,6 +175,16 @@ def _tokenizer_overrides(hf_dir: Path, overrides: Sequence[str]) -> List[str]:
 _CHECKPOINT_KEYS_SET = ("checkpoint.init_from", "checkpoint.load", "checkpoint.save")
 
 
+def _same_value(a: str, b: str) -> bool:
+    """Two override values equal as YAML scalars, numbers by value (YAML 1.1 reads 1e-6, without
+    a dot, as a string)."""
+    a, b = yaml.safe_load(a), yaml.safe_load(b)
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return a == b
+
+
 def _check_no_ignored_override(hf: dict, overrides: Sequence[str]) -> None:
     """A command-line setting the import would replace is an error, not silently dropped: the
     model's shape comes from the HF directory, and train.yaml sets the checkpoint keys."""
@@ -183,7 +193,7 @@ def _check_no_ignored_override(hf: dict, overrides: Sequence[str]) -> None:
     for item in overrides:
         key, _, value = item.partition("=")
         key = key.strip()
-        if key in taken and yaml.safe_load(value) != yaml.safe_load(taken[key]):
+        if key in taken and not _same_value(value, taken[key]):
             raise ValueError(f"override '{item}': the import takes {key} from the HF model "
                              f"({taken[key]}); remove the override (change the shape after "
                              f"the import by training a new model)")
