@@ -189,6 +189,7 @@ def _lr_curve(iters: int, *overrides) -> list:
 
 
 @pytest.mark.fast
+@pytest.mark.compat  # megatron's OptimizerParamScheduler on both tiers
 def test_extending_stretches_the_decay_unless_it_is_fixed():
     six = _lr_curve(6)
     assert six[-1] == pytest.approx(3e-4)
@@ -200,6 +201,7 @@ def test_extending_stretches_the_decay_unless_it_is_fixed():
 
 
 @pytest.mark.fast
+@pytest.mark.compat  # megatron's OptimizerParamScheduler on both tiers
 def test_wsd_holds_the_peak_until_its_final_decay():
     wsd = ("optimizer.lr_decay_style=wsd", "optimizer.lr_wsd_decay_iters=2")
     six, nine = _lr_curve(6, *wsd), _lr_curve(9, *wsd)
