@@ -280,8 +280,8 @@ def check_sharded_objects(ckpt_dir: Path, sharded_sd: dict) -> None:
 
 def without_unsaved_extra_state(sharded_sd: dict, ckpt_dir: Path) -> dict:
     """``sharded_sd`` for loading ``ckpt_dir``, less the modules' extra state the checkpoint
-    has none of (a checkpoint saved without Transformer Engine, loaded with it): megatron
-    would fail on each ("Object shard ... not found", or the missing key on 0.17+). Those
+    has none of (a checkpoint saved without Transformer Engine, loaded with it): megatron's
+    torch_dist load would fail on each ("Missing key in checkpoint state_dict"). Those
     modules keep their fresh extra state (``load_model_state`` accepts the missing keys).
     Extra state the checkpoint has and the model lacks is never asked for, so it is not
     read."""
