@@ -90,6 +90,15 @@ def _print_error(err: Exception) -> None:
     print_error(err, rank=None if rank == 0 else rank)
 
 
+def _end_stalled_run(err: Exception) -> None:
+    """A training step stalled on NCCL (train/resilience.py ``StallWatch``): report it as a
+    raised RankTimeout would be, and end the process, whose main thread is blocked in a
+    device read that nothing can interrupt."""
+    _print_error(err)
+    sys.stdout.flush()
+    os._exit(FAULT_EXIT_CODE)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: parse, load and validate the config for this launch, train."""
     args = parse_args(argv)
@@ -111,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             device = select_device(cfg.training.device)
             from megatron_boost.train.trainer import train
 
-            return train(cfg, device)
+            return train(cfg, device, on_stall=_end_stalled_run)
     except (ValueError, TrainingDiverged, RankTimeout) as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise

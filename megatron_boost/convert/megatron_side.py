@@ -154,14 +154,11 @@ def load_weights(model, ckpt: Path) -> None:
 def load_chunk_weights(chunks: List, ckpt: Path) -> None:
     """:func:`load_weights` for this rank's model chunks in any layout: dist_checkpointing
     finds every shard by its global key and reshards (``docs/design.md §8``)."""
-    from megatron_boost.compat import load_sharded
-    from megatron_boost.train.checkpointing import load_model_state
+    from megatron_boost.train.checkpointing import load_model_chunks
 
     sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     check_tensor_shapes(ckpt, sharded)
-    loaded = load_sharded(sharded, str(ckpt))
-    for i, chunk in enumerate(chunks):
-        load_model_state(chunk, loaded[f"model{i}"])
+    load_model_chunks(ckpt, chunks)  # as the trainer loads (modules' extra state included)
 
 
 def set_weights(model, weights: Dict[str, torch.Tensor]) -> None:

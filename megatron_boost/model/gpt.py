@@ -182,18 +182,12 @@ class BottleneckGPTModel(GPTModel):
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if self.tp_mode is TPMode.NAIVE and self.tp_size > 1:
-            # The naive decoder was built with a one-rank TP group, so its replicated tensors
-            # (the RMSNorm weights) would each claim TP replica 0 on every TP rank, and
-            # dist_checkpointing refuses to save. A tensor unsharded along every axis is a
-            # replica on each TP rank: give it the real TP rank as its replica index.
-            from megatron.core.dist_checkpointing.dict_utils import nested_values
-            from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-            tp_rank = get_pg_rank(self.real_pg_collection.tp)
-            for sh in nested_values(sd):
-                if isinstance(sh, ShardedTensor) and all(
-                        f == 1 for f in sh.axis_fragmentations[sh.prepend_axis_num:]):
-                    sh.replica_id = (sh.replica_id[0], tp_rank, sh.replica_id[2])
+            # The naive decoder was built with a one-rank TP group, so everything its modules
+            # save as a replica (the norm weights, the modules' extra state) would claim TP
+            # replica 0 on every TP rank, and dist_checkpointing refuses to save ("Duplicate
+            # ShardedObject keys", or an invalid access pattern): number them by the real TP
+            # rank, so that TP rank 0 saves them.
+            _number_tp_replicas(sd, get_pg_rank(self.real_pg_collection.tp))
         return sd
 
     # Pipeline stage boundaries of boost: [s, b, d/t] travels as an [s/t, b, d] buffer.
@@ -216,6 +210,31 @@ class BottleneckGPTModel(GPTModel):
             s, b, d_t = out.shape  # [s, b, d/t]
             out = out.view(s // self.tp_size, b, d_t * self.tp_size)  # [s/t, b, d]
         return out
+
+
+def _replicated_over_tp(sh) -> bool:
+    """Whether a piece of a sharded state dict is the same on every TP rank: a tensor not split
+    along any of its own (not prepended) axes, and every ShardedObject, which megatron makes for
+    a module's state replicated across TP and DP (``make_sharded_object_for_checkpoint`` in
+    megatron/core/transformer/utils.py; its global shape holds the prepended layer axis only).
+    Factories (a grouped A, model/layers.py) come only from layers on the real TP group, which
+    shard them."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    if isinstance(sh, ShardedObject):
+        return True
+    return isinstance(sh, ShardedTensor) and all(
+        f == 1 for f in sh.axis_fragmentations[sh.prepend_axis_num:])
+
+
+def _number_tp_replicas(sharded_sd: dict, tp_rank: int) -> None:
+    """Give every piece replicated over TP the TP rank as the TP index of its replica id
+    (the second of megatron's replica tuple ``(0, tp rank, dp rank)``), in place."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    for sh in nested_values(sharded_sd):
+        if _replicated_over_tp(sh) and isinstance(sh.replica_id, tuple):
+            sh.replica_id = (sh.replica_id[0], tp_rank, *sh.replica_id[2:])
 
 
 def build_model(config: BoostTransformerConfig, vocab_size: int, max_sequence_length: int,

@@ -12,7 +12,9 @@ Checks before any tensor is read (each a ``ValueError`` naming the file, value a
 :func:`read_tracker` (a number naming an existing checkpoint), :func:`verify_manifest` (no
 missing, truncated or corrupted shard), :func:`read_common_state` (loaded with
 ``torch.load(weights_only=True)``), :func:`check_tensor_shapes` (every tensor the model
-expects exists with the same global shape; the first mismatch is named with both shapes) and
+expects exists with the same global shape; the first mismatch is named with both shapes),
+:func:`check_sharded_objects` (every object too, except a module's extra state the checkpoint
+has none of, which :func:`without_unsaved_extra_state` leaves out of the load) and
 :func:`check_architecture` (settings that change no shape: the bottleneck activation, the
 RoPE base, full-rank vs low-rank).
 
@@ -39,6 +41,7 @@ __all__ = [
     "TRACKER_FILE", "MANIFEST_FILE", "iter_dir_name",
     "temp_dir_for", "read_tracker", "write_manifest", "verify_manifest", "commit_checkpoint",
     "prune_checkpoints", "read_common_state", "check_tensor_shapes", "check_architecture",
+    "EXTRA_STATE_SUFFIX", "check_sharded_objects", "without_unsaved_extra_state",
 ]
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -246,6 +249,64 @@ def _shape_settings(saved_cfg: Optional[Dict], current_cfg: Optional[Dict]) -> s
              f"here" for k in _SHAPE_KEYS if _lookup(saved_cfg, k) != _lookup(current_cfg, k)]
     return ("; ".join(diffs) if diffs else "no model.* key differs from the checkpoint's "
             "config: check the tokenizer (the vocabulary sets the embedding rows)")
+
+
+#: The suffix of the module state megatron saves as a ShardedObject: torch's *extra state*
+#: (``get_extra_state``), e.g. Transformer Engine's FP8 recipe state. A module has it or not
+#: depending on the backend (TE or not), so a checkpoint and a model may disagree on it.
+EXTRA_STATE_SUFFIX = "_extra_state"
+
+
+def _expected_objects(sharded_sd: dict) -> Iterable:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return (v for v in nested_values(sharded_sd) if isinstance(v, ShardedObject))
+
+
+def _saved_object_keys(ckpt_dir: Path):
+    """(unique keys, keys) of the ShardedObjects a checkpoint holds (megatron's
+    ``load_sharded_metadata``: tensors, and objects under their unique keys)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    saved = load_sharded_metadata(str(ckpt_dir))
+    objects = [v for v in saved.values() if isinstance(v, ShardedObject)]
+    return {o.unique_key for o in objects}, {o.key for o in objects}
+
+
+def _unsaved_extra_state(sh, saved_keys) -> bool:
+    """A module's extra state of which the checkpoint holds no shard at all: the module had
+    none when it was saved (saved without TE). Partly saved is not this case."""
+    return sh.key.endswith(EXTRA_STATE_SUFFIX) and sh.key not in saved_keys
+
+
+def check_sharded_objects(ckpt_dir: Path, sharded_sd: dict) -> None:
+    """Every ShardedObject of ``sharded_sd`` must exist in the checkpoint, but for a module's
+    extra state the checkpoint has none of (:func:`without_unsaved_extra_state` leaves those
+    out of the load); ``ValueError`` names the first missing one."""
+    unique, keys = _saved_object_keys(ckpt_dir)
+    for sh in _expected_objects(sharded_sd):
+        if sh.unique_key not in unique and not _unsaved_extra_state(sh, keys):
+            raise ValueError(f"checkpoint {ckpt_dir} has no object '{sh.unique_key}' that "
+                             f"this model saves: another architecture or mode; check model.* "
+                             f"and parallel.mode")
+
+
+def without_unsaved_extra_state(sharded_sd: dict, ckpt_dir: Path) -> dict:
+    """``sharded_sd`` for loading ``ckpt_dir``, less the modules' extra state the checkpoint
+    has none of (a checkpoint saved without Transformer Engine, loaded with it): megatron's
+    torch_dist load would fail on each ("Missing key in checkpoint state_dict"). Those
+    modules keep their fresh extra state (``load_model_state`` accepts the missing keys).
+    Extra state the checkpoint has and the model lacks is never asked for, so it is not
+    read."""
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    _, keys = _saved_object_keys(ckpt_dir)
+    _, kept = extract_matching_values(
+        sharded_sd, lambda v: isinstance(v, ShardedObject) and _unsaved_extra_state(v, keys))
+    return kept
 
 
 def check_tensor_shapes(ckpt_dir: Path, sharded_sd: dict, saved_cfg: Optional[Dict] = None,

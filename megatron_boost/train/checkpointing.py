@@ -9,7 +9,9 @@ scheduler, the layout, the run configuration and the format version. It is writt
 ``iter_0000010.tmp/`` and committed by :class:`~megatron_boost.train.checkpoint_writer.
 CheckpointWriter` (manifest, fsync, rename, then the tracker file), so the tracker always names
 a complete checkpoint. Before anything is loaded, :func:`verify_checkpoint` checks the files,
-the format and every tensor shape (:mod:`megatron_boost.train.checkpoint_guard`).
+the format, every tensor shape and every object (:mod:`megatron_boost.train.checkpoint_guard`).
+Modules' extra state (Transformer Engine's FP8 metadata, saved as ShardedObjects) moves both
+ways between runs with and without TE (docs/design.md §10.18).
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron_boost.compat import load_sharded
 from megatron_boost.runtime.cpu_mode import is_cpu_mode
 from megatron_boost.train.checkpoint_guard import (
+    EXTRA_STATE_SUFFIX,
     TRACKER_FILE,
     check_architecture,
+    check_sharded_objects,
     check_tensor_shapes,
     iter_dir_name,
     read_common_state,
     read_tracker,
     verify_manifest,
+    without_unsaved_extra_state,
 )
 from megatron_boost.train.checkpoint_writer import CheckpointWriter
 from megatron_boost.train.megatron_fixes import finish_optimizer_load, prepare_optimizer_load
@@ -44,7 +49,7 @@ from megatron_boost.train.state import TrainState
 
 __all__ = ["TRACKER_FILE", "CHECKPOINT_FORMAT_VERSION", "Resumed", "checkpoint_state_dict",
            "save_checkpoint", "find_checkpoint", "verify_checkpoint", "load_checkpoint",
-           "load_weights", "check_format_version", "load_model_state"]
+           "load_weights", "check_format_version", "load_model_state", "load_model_chunks"]
 
 #: Version of the checkpoint content; a checkpoint of another version is refused on load.
 CHECKPOINT_FORMAT_VERSION = 1
@@ -64,10 +69,13 @@ def _model_keys(n_chunks: int) -> List[str]:
     return ["model"] if n_chunks == 1 else [f"model{i}" for i in range(n_chunks)]
 
 
-def _model_sharded_state_dict(ddp_chunks) -> dict:
+def _model_sharded_state_dict(ddp_chunks, loading: Optional[Path] = None) -> dict:
+    """The model chunks' sharded state; for ``loading`` a checkpoint, less the modules' extra
+    state it has none of (:func:`without_unsaved_extra_state`)."""
     # DDP has no sharded_state_dict: use the wrapped module's (Float16Module delegates).
-    return {key: chunk.module.sharded_state_dict()
-            for key, chunk in zip(_model_keys(len(ddp_chunks)), ddp_chunks)}
+    sd = {key: chunk.module.sharded_state_dict()
+          for key, chunk in zip(_model_keys(len(ddp_chunks)), ddp_chunks)}
+    return sd if loading is None else without_unsaved_extra_state(sd, loading)
 
 
 def _optimizer_sharded_state_dict(optimizer, model_sd: dict, distributed: bool,
@@ -182,26 +190,23 @@ def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg, weights_only: bool = 
     verify_manifest(ckpt_dir)
     load_optim = not (run_cfg.checkpoint.no_load_optim or weights_only)
     saved = _read_saved_state(ckpt_dir, load_optim, run_cfg.parallel.use_distributed_optimizer)
-    check_tensor_shapes(ckpt_dir, _model_sharded_state_dict(ddp_chunks),
-                        saved.get("run_config", {}), dataclasses.asdict(run_cfg))
+    model_sd = _model_sharded_state_dict(ddp_chunks)
+    check_tensor_shapes(ckpt_dir, model_sd, saved.get("run_config", {}),
+                        dataclasses.asdict(run_cfg))
+    check_sharded_objects(ckpt_dir, model_sd)
     check_architecture(ckpt_dir, saved.get("run_config", {}), dataclasses.asdict(run_cfg))
     return saved
 
 
-#: The only keys a loaded model state may lack: Transformer Engine modules' ``_extra_state``
-#: (FP8 scaling metadata), which their ``state_dict()`` lists but megatron's sharded
-#: checkpoint does not save.
-_UNSAVED_SUFFIX = "_extra_state"
-
-
 def load_model_state(module: torch.nn.Module, state_dict: dict) -> None:
-    """``module.load_state_dict`` that accepts exactly the missing ``*._extra_state`` keys of
-    Transformer Engine modules, as megatron's own loader does, and raises ``RuntimeError``
-    on any other missing or on any unexpected key."""
+    """``module.load_state_dict`` that accepts exactly the missing ``*._extra_state`` keys
+    (modules' extra state, e.g. Transformer Engine's FP8 metadata: not saved for TE's core
+    attention, absent from a checkpoint saved without TE), as megatron's own loader does, and
+    raises ``RuntimeError`` on any other missing or on any unexpected key."""
     if isinstance(module, Float16Module):  # its load_state_dict delegates and returns None
         module = module.module
     result = module.load_state_dict(state_dict, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith(_UNSAVED_SUFFIX)]
+    missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE_SUFFIX)]
     if missing or result.unexpected_keys:
         raise RuntimeError(
             f"the checkpoint does not match the model: missing keys {missing[:5]} "
@@ -214,11 +219,22 @@ def _set_model_weights(ddp_chunks, loaded: dict) -> None:
         load_model_state(chunk.module, loaded[key])
 
 
+def load_model_chunks(ckpt_dir: Path, chunks) -> None:
+    """The model state of a checkpoint into model chunks (not DDP-wrapped; any layout), as the
+    trainer loads it: the conversion tools' load."""
+    sd = without_unsaved_extra_state(
+        {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(len(chunks)), chunks)},
+        ckpt_dir)
+    loaded = load_sharded(sd, str(ckpt_dir))
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        load_model_state(chunk, loaded[key])
+
+
 def load_weights(ckpt_dir: Path, ddp_chunks, optimizer) -> None:
     """Only the model weights of a checkpoint (verified by :func:`verify_checkpoint` with
     ``weights_only``), into any layout: ``checkpoint.init_from``. The optimizer state, the
     schedule, the iteration and the RNG stay those of a fresh start."""
-    loaded = load_sharded(_model_sharded_state_dict(ddp_chunks), str(ckpt_dir))
+    loaded = load_sharded(_model_sharded_state_dict(ddp_chunks, loading=ckpt_dir), str(ckpt_dir))
     _set_model_weights(ddp_chunks, loaded)
     if hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # main (fp32) params from the loaded weights
@@ -233,7 +249,7 @@ def load_checkpoint(ckpt_dir: Path, saved: dict, ddp_chunks, optimizer, schedule
     state. The RNG states load only into the same layout (else the fresh seeding is kept)."""
     distributed = run_cfg.parallel.use_distributed_optimizer
     load_optim = not run_cfg.checkpoint.no_load_optim
-    sd = _model_sharded_state_dict(ddp_chunks)
+    sd = _model_sharded_state_dict(ddp_chunks, loading=ckpt_dir)
     if load_optim:
         prepare_optimizer_load(optimizer, distributed)
         sd["optimizer"] = _optimizer_sharded_state_dict(optimizer, sd, distributed, True)

@@ -11,6 +11,12 @@
   collective times out, :class:`RankMonitor` runs ``torch.distributed.monitored_barrier`` on a
   separate gloo group of its own (the default group may be unusable after the timeout), which
   reports the ranks that never arrived, and raises :class:`RankTimeout` naming them.
+* The same on NCCL: there a collective that waits for a dead or hung peer blocks the host in
+  its next device read, and NCCL's watchdog aborts the process at the group's timeout
+  (``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s default), so no error reaches the trainer.
+  :class:`StallWatch`, a thread, asks the same gloo group who is missing once the training
+  step has run ``parallel.timeout_minutes``, and the NCCL groups get a longer timeout
+  (:func:`collective_timeout`), so that it reports first (docs/fault-tolerance.md).
 * Test hooks (environment variables, read once; unset in normal runs):
   ``MEGATRON_BOOST_TEST_NAN_AT=<first>[-<last>]:<rank>`` makes that rank's loss NaN at those
   iterations; ``MEGATRON_BOOST_TEST_HANG_AT=<iteration>:<rank>`` makes that rank stop
@@ -21,15 +27,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 __all__ = ["TestHooks", "StepAgreement", "agree_on_step", "SkipBudget", "TrainingDiverged", "RankMonitor",
-           "RankTimeout", "process_group_timeout", "is_collective_failure"]
+           "RankTimeout", "process_group_timeout", "is_collective_failure", "StallWatch",
+           "collective_timeout", "stall_barrier_window"]
 
 ENV_NAN_AT = "MEGATRON_BOOST_TEST_NAN_AT"
 ENV_HANG_AT = "MEGATRON_BOOST_TEST_HANG_AT"
@@ -48,6 +57,30 @@ class RankTimeout(RuntimeError):
 def process_group_timeout(minutes: float) -> datetime.timedelta:
     """``parallel.timeout_minutes`` as the timedelta ``init_process_group`` takes."""
     return datetime.timedelta(seconds=minutes * 60.0)
+
+
+#: The longest :class:`StallWatch`'s barrier waits for the other stalled ranks to join it.
+STALL_BARRIER_MAX = datetime.timedelta(seconds=60)
+#: Time left after that barrier, before NCCL's watchdog would abort, to print and exit.
+STALL_REPORT_MARGIN = datetime.timedelta(seconds=60)
+
+
+def stall_barrier_window(minutes: float) -> datetime.timedelta:
+    """How long the stall watch's barrier waits: the ranks' steps start within a fraction of a
+    step of each other, so a minute at most (the deadline itself when that is shorter)."""
+    return min(process_group_timeout(minutes), STALL_BARRIER_MAX)
+
+
+def collective_timeout(minutes: float, device: str) -> datetime.timedelta:
+    """The timeout of the run's process groups. On CPU (gloo) ``parallel.timeout_minutes``: a
+    collective that times out raises, and :class:`RankMonitor` explains it. On CUDA (NCCL) the
+    watchdog aborts the process at the timeout instead, so it is the deadline of
+    :class:`StallWatch`, plus its barrier window, plus time to report: the watch names the
+    missing rank and ends the job first; the watchdog stays the backstop."""
+    deadline = process_group_timeout(minutes)
+    if device != "cuda":
+        return deadline
+    return deadline + stall_barrier_window(minutes) + STALL_REPORT_MARGIN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,15 +239,20 @@ class RankMonitor:
 
     def unresponsive_ranks(self) -> List[int]:
         """Ranks that do not reach a monitored barrier within the timeout (rank 0 asks)."""
+        return self.barrier(self.timeout) or []
+
+    def barrier(self, timeout: datetime.timedelta) -> Optional[List[int]]:
+        """A monitored barrier: [] when every rank reached it within ``timeout``, the ranks
+        that did not where it names them (on rank 0), None where it failed otherwise."""
         import torch.distributed as dist
 
         try:
-            dist.monitored_barrier(group=self.group, timeout=self.timeout,
-                                   wait_all_ranks=True)
+            dist.monitored_barrier(group=self.group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as err:
             match = _MISSING_RANKS.search(str(err))
             if match:
                 return [int(r) for r in match.group(1).replace(" ", "").split(",") if r]
+            return None
         return []
 
     def explain(self, err: RuntimeError, iteration: int) -> RankTimeout:
@@ -225,3 +263,66 @@ class RankMonitor:
         return RankTimeout(
             f"{who} did not respond within {minutes:g} minutes (parallel.timeout_minutes) at "
             f"iteration {iteration}; the job stops ({' '.join(str(err).split())[:120]})")
+
+
+class StallWatch:
+    """Names a dead or hung rank where a timed-out collective raises nothing (NCCL).
+
+    The trainer runs each training step inside :meth:`step`. A thread checks every
+    ``poll_s``; once this rank's step has run ``deadline``, it joins :class:`RankMonitor`'s
+    monitored barrier (gloo, ``barrier_window``). Every rank whose step is stuck waiting for a
+    missing peer joins; a dead rank, or one stuck outside its step, does not, and rank 0's
+    barrier names it. ``on_stall`` then gets the :class:`RankTimeout` (the trainer prints it
+    and ends the process: the main thread is blocked in the device read and cannot be
+    interrupted). A rank stuck inside its step like the others, or rank 0 itself, is not
+    named: the error says "another rank", or that every rank is inside the step."""
+
+    def __init__(self, monitor: RankMonitor, deadline: datetime.timedelta,
+                 barrier_window: datetime.timedelta,
+                 on_stall: Callable[[RankTimeout], None], poll_s: float = 1.0):
+        self.monitor, self.on_stall = monitor, on_stall
+        self.deadline_s = deadline.total_seconds()
+        self.barrier_window = barrier_window
+        self.poll_s = min(poll_s, self.deadline_s / 4)
+        self._step: Optional[Tuple[int, float]] = None  # (iteration, start)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stall-watch", daemon=True)
+
+    def start(self) -> "StallWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    @contextlib.contextmanager
+    def step(self, iteration: int):
+        """The training step of ``iteration`` (its collectives and device reads)."""
+        self._step = (iteration, time.monotonic())
+        try:
+            yield
+        finally:
+            self._step = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            current = self._step
+            if current is None or time.monotonic() - current[1] < self.deadline_s:
+                continue
+            self.on_stall(self._explain(current[0]))
+            return
+
+    def _explain(self, iteration: int) -> RankTimeout:
+        ranks = self.monitor.barrier(self.barrier_window)
+        minutes = self.deadline_s / 60
+        if ranks:
+            who = f"rank {', '.join(map(str, ranks))} did not respond"
+        elif ranks is None:
+            who = "another rank did not respond"
+        else:
+            who = ("every rank is inside the step, which did not finish (a device, NCCL or "
+                   "host stall in it)")
+        return RankTimeout(f"{who} within {minutes:g} minutes (parallel.timeout_minutes) at "
+                           f"iteration {iteration}; the job stops")

@@ -73,9 +73,12 @@ from megatron_boost.train.metrics import (
 from megatron_boost.train.resilience import (
     RankMonitor,
     SkipBudget,
+    StallWatch,
     TestHooks,
+    collective_timeout,
     is_collective_failure,
     process_group_timeout,
+    stall_barrier_window,
 )
 from megatron_boost.train.preemption import (
     PREEMPT_EXIT_CODE,
@@ -90,14 +93,15 @@ from megatron_boost.train.state import TrainState
 __all__ = ["train", "Trainer", "TrainingError"]
 
 
-def train(cfg, device: str) -> int:
+def train(cfg, device: str, on_stall=None) -> int:
     """Run (or resume) the training of ``cfg``, a RunConfig validated for this launch
     (``RunConfig.validate(world_size)``), on ``device`` ('cuda' or 'cpu'). Returns the exit
-    status."""
-    init_distributed(device, process_group_timeout(cfg.parallel.timeout_minutes))
+    status. On CUDA, ``on_stall(RankTimeout)`` is called from :class:`StallWatch`'s thread when
+    a training step stalls (it must end the process; the entry point prints the error)."""
+    init_distributed(device, collective_timeout(cfg.parallel.timeout_minutes, device))
     previous_handlers = install_signal_handlers()
     try:
-        trainer = Trainer(cfg, device)  # every input is checked here: ValueError = bad input
+        trainer = Trainer(cfg, device, on_stall)  # every input is checked here: ValueError = bad input
         try:
             return trainer.train()
         except ValueError as err:  # the inputs were checked: a fault, not a usage error
@@ -118,7 +122,7 @@ class Trainer:
     checkpoint and data files, then the run directory, resume, data), then :meth:`train`.
     Nothing is written before every input has been checked."""
 
-    def __init__(self, cfg, device: str):
+    def __init__(self, cfg, device: str, on_stall=None):
         self.cfg, self.device = cfg, device
         self.t_start = time.perf_counter()
         self.train_iters = train_iterations(cfg)
@@ -126,6 +130,11 @@ class Trainer:
             else torch.device("cpu")
         self.hooks = TestHooks.from_env()
         self.monitor = RankMonitor(process_group_timeout(cfg.parallel.timeout_minutes))
+        # NCCL: a stalled collective raises nothing; the watch names the rank (resilience.py)
+        self.stall_watch = StallWatch(
+            self.monitor, process_group_timeout(cfg.parallel.timeout_minutes),
+            stall_barrier_window(cfg.parallel.timeout_minutes),
+            on_stall) if device == "cuda" and on_stall is not None else None
         self.skips = SkipBudget(cfg.training.max_skipped_steps)
         self._init_parallel()
         self.run_dir = Path(cfg.logging.run_dir)
@@ -151,8 +160,9 @@ class Trainer:
         random.seed(t.seed)
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
+        timeout = collective_timeout(par.timeout_minutes, self.device)
         self.dp = step.initialize_parallel(par.tp, par.pp, par.vpp, t.seed,
-                                           par.timeout_minutes)
+                                           timeout.total_seconds() / 60)
         init_num_microbatches_calculator(dist.get_rank(), None, t.global_batch_size,
                                          t.micro_batch_size, self.dp)
         self.num_microbatches = get_num_microbatches()
@@ -271,6 +281,8 @@ class Trainer:
         if start >= self.train_iters:
             print0(f"nothing to do: the checkpoint is at iteration {start} >= "
                    f"{self.train_iters} training iterations")
+        if self.stall_watch is not None:
+            self.stall_watch.start()
         try:
             while self.state.iteration < self.train_iters:
                 if self.iteration():
@@ -283,6 +295,8 @@ class Trainer:
                 raise self.monitor.explain(err, self.state.iteration + 1) from None
             raise
         finally:
+            if self.stall_watch is not None:
+                self.stall_watch.stop()
             self.metrics.close()
         self.print_summary()
         return 0
@@ -312,7 +326,7 @@ class Trainer:
         logged = self._logs_at(it)
         measure = logged and self.cfg.logging.measure_comm
         t0 = time.perf_counter()
-        with self._comm_measurement(measure) as comm_log:
+        with self._stall_watched(it), self._comm_measurement(measure) as comm_log:
             out = step.train_step(self.train_forward_step, self.train_iterators, self.model,
                                   self.optimizer, self.num_microbatches,
                                   self.cfg.model.seq_length, t.micro_batch_size,
@@ -330,6 +344,12 @@ class Trainer:
         if measure:
             out["tp_comm_bytes_measured"] = comm_log.bytes()
         return out
+
+    def _stall_watched(self, iteration: int):
+        """The step's span for the stall watch (NCCL), or nothing."""
+        if self.stall_watch is None:
+            return contextlib.nullcontext()
+        return self.stall_watch.step(iteration)
 
     def _comm_measurement(self, measure: bool):
         """``record_collectives`` on the TP group where ``measure``, else nothing: its
