@@ -507,6 +507,11 @@ CASES = [
     Case("export_common_state_missing", tool("export_hf.py", "{case}/ckpt", "{case}/out"),
          ("common.pt", "missing"), setup=checkpoint(_remove("common.pt")), uses_checkpoint=True,
          needs=HF),
+    Case("export_tokenizer_wrong_kind",
+         tool("export_hf.py", "{case}/ckpt", "{case}/run", "--tokenizer", "{case}/t.model"),
+         ("--tokenizer", "t.model", "not a SentencePiece model"),
+         setup=setups(checkpoint(), write("t.model", "not a model\n")), uses_checkpoint=True,
+         needs=HF),
     # -- a setting the tool would ignore, a mode list that names nothing -------------------
     Case("import_shape_override_ignored",
          tool("import_hf.py", "{case}/hf", "{case}/run", "--config", DEBUG,
