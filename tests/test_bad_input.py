@@ -3,10 +3,11 @@
 A table of cases, each a command line of an entry point (``pretrain_lowrank.py`` as one process
 or under torchrun, and the tools). Most cases call the entry point's ``main(argv)`` in this
 process (stdout and stderr captured, ``SystemExit`` taken as the exit status): what they check is
-the message and the status, and a fresh interpreter per case only adds its start-up. About ten
-(``process=True``) run as real subprocesses, where being a process is what is tested: torchrun
-launches, the launcher's ``--check``, a plain ``python pretrain_lowrank.py``, a damaged
-checkpoint and a few tools. Every case must:
+the message and the status, and a fresh interpreter per case only adds its start-up. About a
+dozen (``process=True``) run as real subprocesses, where being a process is what is tested:
+torchrun launches, the launcher's ``--check``, a plain ``python pretrain_lowrank.py``, a damaged
+checkpoint, ``scripts/setup_env.sh`` (its request, checked before anything is created) and a few
+tools. Every case must:
 
 * exit non-zero (2 where the input is a usage or configuration error),
 * print exactly one line starting ``error:`` (argparse's ``<prog>: error:`` counts) on stdout or
@@ -506,6 +507,14 @@ CASES = [
          setup=checkpoint(_half_written), uses_checkpoint=True),
     Case("export_common_state_missing", tool("export_hf.py", "{case}/ckpt", "{case}/out"),
          ("common.pt", "missing"), setup=checkpoint(_remove("common.pt")), uses_checkpoint=True,
+         needs=HF),
+    Case("export_negative_shard_size",
+         tool("export_hf.py", "{case}/no_ckpt", "{case}/run", "--max-shard-size=-1GB"),
+         ("--max-shard-size", "'-1GB'", "positive size")),
+    Case("export_tokenizer_wrong_kind",
+         tool("export_hf.py", "{case}/ckpt", "{case}/run", "--tokenizer", "{case}/t.model"),
+         ("--tokenizer", "t.model", "not a SentencePiece model"),
+         setup=setups(checkpoint(), write("t.model", "not a model\n")), uses_checkpoint=True,
          needs=HF),
     # -- a setting the tool would ignore, a mode list that names nothing -------------------
     Case("import_shape_override_ignored",

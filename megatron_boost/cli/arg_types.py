@@ -5,9 +5,10 @@ line (exit status 2) naming the argument, the value and the rule."""
 from __future__ import annotations
 
 import argparse
+import re
 
 __all__ = ["positive_int", "non_negative_int", "non_negative_float", "probability",
-           "fraction", "mode_list"]
+           "fraction", "mode_list", "shard_size"]
 
 
 def _number(text: str, kind):
@@ -71,3 +72,13 @@ def mode_list(text: str) -> list:
     if len(set(modes)) < len(modes):
         raise argparse.ArgumentTypeError(f"'{text}' names a mode twice")
     return modes
+
+
+def shard_size(text: str) -> str:
+    """A positive size with huggingface_hub's units (``5GB``, ``500MB``: TB, GB, MB, KB), as
+    its shard splitter reads it; a negative one (which it would accept) is refused."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(TB|GB|MB|KB)", text.strip(), re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a positive size such as 5GB or "
+                                         f"500MB (units TB, GB, MB, KB)")
+    return f"{match.group(1)}{match.group(2).upper()}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
+from megatron_boost.cli.arg_types import shard_size
 from megatron_boost.cli.errors import run_reporting_errors
 
 
@@ -19,7 +20,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--fold", action="store_true",
                    help="σ = identity only: write W = B·A as plain LlamaForCausalLM")
     p.add_argument("--tokenizer", help="tokenizer file to export instead of the run config's")
-    p.add_argument("--max-shard-size", default="5GB",
+    p.add_argument("--max-shard-size", type=shard_size, default="5GB",
                    help="safetensors shard limit (default 5GB)")
     return p.parse_args(argv)
 

@@ -67,7 +67,8 @@ def _tokenizer(cfg, tokenizer_path: Optional[str]):
     if not os.path.exists(data.tokenizer_model):
         raise ValueError(f"tokenizer '{data.tokenizer_model}' (from the run config) does not "
                          f"exist; pass --tokenizer PATH to the run's tokenizer file")
-    hf_tok, ours = hf_tokenizer(data), mb.build_tokenizer(data)
+    hf_tok = hf_tokenizer(data, "--tokenizer" if tokenizer_path else "data.tokenizer_model")
+    ours = mb.build_tokenizer(data)
     check_same_ids(hf_tok, ours, VERIFY_PROMPT + "\n  Leading spaces, ünïcode and\ttabs.")
     return hf_tok, ours
 

@@ -10,6 +10,7 @@ SentencePiece ids with EOS only as the end-of-document token (``tools/preprocess
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -39,9 +40,19 @@ def _from_sentencepiece(model_file: str):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
 
 
-def hf_tokenizer(data_cfg):
-    """The HF tokenizer of a run's ``data`` section (SentencePiece file or HF directory)."""
+def hf_tokenizer(data_cfg, name: str = "data.tokenizer_model"):
+    """The HF tokenizer of a run's ``data`` section (SentencePiece file or HF directory),
+    checked first as the trainer checks it (exists, of its kind; ``name`` is the setting
+    errors name)."""
     from transformers import AutoTokenizer
+
+    from megatron_boost.data.datasets import check_tokenizer_files
+
+    path = data_cfg.tokenizer_model
+    if not os.path.exists(path):
+        raise ValueError(f"{name} '{path}' does not exist (moved since training?); pass the "
+                         f"run's tokenizer file")
+    check_tokenizer_files(path, data_cfg.tokenizer_type, name)
 
     if data_cfg.tokenizer_type == "huggingface":
         return AutoTokenizer.from_pretrained(data_cfg.tokenizer_model)
