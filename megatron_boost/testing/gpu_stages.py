@@ -670,11 +670,13 @@ def stage_host_syncs(plan: Plan, work: Path) -> None:
     for name, layers, micro in (("small", 1, 1), ("large", 3, 4)):
         counts[name], records = _iteration_syncs(plan, work / name, layers, micro)
         info(4, f"{name}: {layers} layers, {micro} micro-batches",
-             f"{sum(counts[name].values())} host syncs per trainer iteration {counts[name]}")
-        for i, record in enumerate(records):
-            info(4, f"{name} sync {i + 1}", record.where())
+             f"{sum(counts[name].values())} host syncs per trainer iteration"
+             + ("" if records else f" {counts[name]}"))  # by kind on the CPU
+        for where, n in counts[name].items() if records else ():
+            info(4, f"{name}: {n} x sync at", where)
+        for i, record in enumerate(records):  # each sync's whole stack, to the stage's log
             print(f"--- stage 4 {name} sync {i + 1} ---\n{record.stack_text()}",
-                  file=sys.stderr, flush=True)  # the whole stack, to the stage's log
+                  file=sys.stderr, flush=True)
     check(4, "constant per iteration", counts["small"] == counts["large"],
           f"{sum(counts['small'].values())} vs {sum(counts['large'].values())} "
           f"(must not grow with parameters or micro-batches)")

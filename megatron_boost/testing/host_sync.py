@@ -75,6 +75,9 @@ class HostSyncCounter(TorchFunctionMode):
 #: warn_or_error_on_sync).
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
+#: Frames of these packages are the ones a row names (the project's and megatron's code).
+_OURS = ("/megatron_boost/", "/megatron/core/", "/tests/")
+
 #: Frames of these files are the warning machinery, not where the sync was asked for.
 _MACHINERY = (__file__, warnings.__file__)
 
@@ -90,7 +93,7 @@ class SyncRecord:
     def where(self, depth: int = 2) -> str:
         """The innermost ``depth`` frames of the project or megatron (else of anything),
         innermost last: what a row can show."""
-        ours = [f for f in self.stack if "megatron" in f.filename]
+        ours = [f for f in self.stack if any(part in f.filename for part in _OURS)]
         frames = (ours or self.stack)[-depth:]
         return " <- ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}"
                            for f in reversed(frames))
