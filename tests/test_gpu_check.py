@@ -64,6 +64,25 @@ def test_a_layout_the_trainer_refuses_is_a_reason_not_a_shape():
     assert rank_layout_problem(cola_1b, "naive", 2) is None
 
 
+def test_tp_stage_layouts_follow_the_gpus_it_finds():
+    """Stage 8's worlds: two gloo processes on the CPU or one GPU; NCCL with DP=2 from two GPUs;
+    a world of four with DP and PP from four. Every spec compares after a few steps."""
+    from megatron_boost.testing.gpu_stages import COMPARISON_STEPS, tensor_parallel_layouts
+
+    def shape(device, gpus):
+        return [(world, backend, [(s.mode, s.tp, s.pp, world // (s.tp * s.pp)) for s in specs])
+                for world, backend, specs in tensor_parallel_layouts(device, gpus, None)]
+
+    at_tp2 = [("boost", 2, 1, 1), ("naive", 2, 1, 1), ("full", 2, 1, 1)]
+    assert shape("cpu", 0) == shape("cuda", 1) == [(2, "gloo", at_tp2)]
+    assert shape("cuda", 2) == [(2, "nccl", at_tp2 + [("boost", 1, 1, 2)])]
+    assert shape("cuda", 8) == [(2, "nccl", at_tp2 + [("boost", 1, 1, 2)]),
+                                (4, "nccl", [("boost", 2, 1, 2), ("boost", 2, 2, 1)])]
+    specs = [s for _, _, ss in tensor_parallel_layouts("cuda", 4, "collective") for s in ss]
+    assert all(s.steps == COMPARISON_STEPS and s.drop_tp_all_reduce and not s.corrupt
+               for s in specs)
+
+
 def test_sync_recorder_reports_each_sync_with_its_python_stack():
     """The path a GPU run's sync warnings take, fed torch's warning text directly (a CPU build
     has no CUDA runtime to warn): each sync is one record whose stack names the caller; any
