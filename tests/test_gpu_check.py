@@ -1,5 +1,6 @@
-"""tools/gpu_check.sh: its per-rank shapes and GEMM list, and the whole check as a CPU dry run
-(every stage runs; a stage made to fail or to hang prints its row and the next stage runs)."""
+"""tools/gpu_check.sh: its per-rank shapes and GEMM list, the CUDA sync recorder's reporting,
+and the whole check as a CPU dry run (every stage runs; a stage made to fail or to hang prints
+its row and the next stage runs; the comparisons fail under their negative controls)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import pytest
 
 from megatron_boost.analysis.flops import (MODEL_FLOPS_CAUSAL, attention_core_flops,
                                           forward_flops_per_token)
+from megatron_boost.analysis.rank_shape import (projection_gemms, projection_training_flops,
+                                               rank_layout_problem, rank_local_shape)
 from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.cli import gpu_check
-from megatron_boost.cli.gpu_check import (
-    FAIL_STAGE_ENV, HANG_STAGE_ENV, STAGES, projection_gemms, projection_training_flops,
-    rank_local_shape)
+from megatron_boost.cli.gpu_check import FAIL_STAGE_ENV, HANG_STAGE_ENV, STAGES
 from megatron_boost.config.run import load_run_config
+from megatron_boost.testing import gpu_measure
+from megatron_boost.testing.gpu_stages import NEGATIVE_CONTROL_ENV, cpu_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tools" / "gpu_check.sh")
@@ -47,6 +50,66 @@ def test_rank_local_query_groups_under_gqa():
     assert [rank_local_shape(gqa, mode, 4).g for mode in ("full", "naive", "boost")] == [2, 8, 2]
 
 
+def test_a_layout_the_trainer_refuses_is_a_reason_not_a_shape():
+    """cola-1b's ffn (5461) does not divide by 2: full and boost shard it, naive does not.
+    The reason is the trainer's own rule (config/modes.py check_tp_split)."""
+    cola_1b = ModelShape.from_config(load_run_config(str(ROOT / "configs" / "cola-1b.yaml")),
+                                     "cola-1b")
+    for mode in ("full", "boost"):
+        why = rank_layout_problem(cola_1b, mode, 2)
+        assert why.startswith("ffn_hidden_size (5461) must be divisible by "
+                              "tensor_model_parallel_size (2)"), why
+        with pytest.raises(ValueError, match="5461"):
+            rank_local_shape(cola_1b, mode, 2)
+    assert rank_layout_problem(cola_1b, "naive", 2) is None
+
+
+def test_tp_stage_layouts_follow_the_gpus_it_finds():
+    """Stage 8's worlds: two gloo processes on the CPU or one GPU; NCCL with DP=2 from two GPUs;
+    a world of four with DP and PP from four. Every spec compares after a few steps."""
+    from megatron_boost.testing.gpu_stages import COMPARISON_STEPS, tensor_parallel_layouts
+
+    def shape(device, gpus):
+        return [(world, backend, [(s.mode, s.tp, s.pp, world // (s.tp * s.pp)) for s in specs])
+                for world, backend, specs in tensor_parallel_layouts(device, gpus, None)]
+
+    at_tp2 = [("boost", 2, 1, 1), ("naive", 2, 1, 1), ("full", 2, 1, 1)]
+    assert shape("cpu", 0) == shape("cuda", 1) == [(2, "gloo", at_tp2)]
+    assert shape("cuda", 2) == [(2, "nccl", at_tp2 + [("boost", 1, 1, 2)])]
+    assert shape("cuda", 8) == [(2, "nccl", at_tp2 + [("boost", 1, 1, 2)]),
+                                (4, "nccl", [("boost", 2, 1, 2), ("boost", 2, 2, 1)])]
+    specs = [s for _, _, ss in tensor_parallel_layouts("cuda", 4, "collective") for s in ss]
+    assert all(s.steps == COMPARISON_STEPS and s.drop_tp_all_reduce and not s.corrupt
+               for s in specs)
+
+
+def test_sync_recorder_reports_each_sync_with_its_python_stack():
+    """The path a GPU run's sync warnings take, fed torch's warning text directly (a CPU build
+    has no CUDA runtime to warn): each sync is one record whose stack names the caller; any
+    other warning is shown as before."""
+    import warnings
+
+    from megatron_boost.testing.host_sync import SYNC_WARNING, CudaSyncRecorder
+
+    def reads_the_device():
+        warnings.warn(f"{SYNC_WARNING} (Triggered internally at CUDAFunctions.cpp)",
+                      UserWarning)
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with CudaSyncRecorder() as syncs:
+            for _ in range(2):  # the same call site twice
+                reads_the_device()
+            warnings.warn("an unrelated warning", UserWarning)
+    assert [str(w.message) for w in shown] == ["an unrelated warning"]
+    assert len(syncs.records) == 2
+    assert syncs.records[0].stack[-1].name == "reads_the_device"
+    where = syncs.records[0].where()
+    assert where.startswith("tests/test_gpu_check.py:") and "reads_the_device" in where
+    assert syncs.counts() == {where: 2}
+    assert "reads_the_device" in syncs.records[0].stack_text()
+
+
 def test_gemm_list_carries_the_analytic_projection_flops():
     """3 GEMMs (forward, input and weight gradient) of 2·T·k·n per factor add up to 3 × the
     shape's forward projection FLOPs, which are analysis.flops' per-token count of a one-layer
@@ -72,9 +135,9 @@ def test_out_of_memory_is_a_row_and_other_errors_fail(monkeypatch, capsys):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")
         raise RuntimeError("broken kernel")
 
-    monkeypatch.setattr(gpu_check, "_setup", lambda plan: None)
-    monkeypatch.setattr(gpu_check, "_attention_case", run)
-    gpu_check.stage_attention(gpu_check.cpu_plan(), Path("."))
+    monkeypatch.setattr(gpu_measure, "setup_stage", lambda plan: None)
+    monkeypatch.setattr(gpu_measure, "_attention_case", run)
+    gpu_measure.stage_attention(cpu_plan(), Path("."))
     rows = {line.split("s=128 ")[1].split()[0]: line  # backend -> row
             for line in capsys.readouterr().out.splitlines()}
     assert re.search(r"\bn/a\s+unavailable: Transformer Engine needs CUDA", rows["te"])
@@ -90,15 +153,21 @@ def test_bad_stage_selection_is_one_error_line(capsys):
 
 #: The script's two runs here: (arguments, extra environment) by the test that reads it.
 RUNS = {
-    "test_cpu_dry_run_every_stage_passes": (["--cpu"], {}),
+    # the clean run in two halves at once: each half runs its stages one at a time
+    "test_cpu_dry_run_every_stage_passes": (["--cpu", "--stages", "0,1,2,3,8"], {}),
+    "test_cpu_dry_run_every_stage_passes/measuring": (["--cpu", "--stages", "4,5,6,7"], {}),
+    # one run for every way a stage fails: made to fail, hanging, and the comparisons of
+    # stages 3 and 8 under a perturbed weight and a dropped collective
     "test_a_failing_and_a_hanging_stage_do_not_stop_the_next": (
-        ["--cpu", "--stages", "0,1,5", "--time-limit", "1=1"],
-        {FAIL_STAGE_ENV: "0", HANG_STAGE_ENV: "1"}),
+        ["--cpu", "--stages", "0,1,3,8,5", "--time-limit", "1=1"],
+        {FAIL_STAGE_ENV: "0", HANG_STAGE_ENV: "1",
+         NEGATIVE_CONTROL_ENV: "3=weight,8=collective"}),
 }
 
 
 def _start(args, work, env_extra):
-    env = {k: v for k, v in os.environ.items() if k not in (FAIL_STAGE_ENV, HANG_STAGE_ENV)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in (FAIL_STAGE_ENV, HANG_STAGE_ENV, NEGATIVE_CONTROL_ENV)}
     env.update(PYTHON=sys.executable, **env_extra)
     return subprocess.Popen([SCRIPT, *args, "--workdir", str(work)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -111,7 +180,7 @@ def script_runs(request, tmp_path_factory):
     collects its own run (with a deadline); any still running at the end is killed."""
     selected = {item.name for item in request.session.items}
     procs = {name: _start(args, tmp_path_factory.mktemp("gpu_check"), env_extra)
-             for name, (args, env_extra) in RUNS.items() if name in selected}
+             for name, (args, env_extra) in RUNS.items() if name.split("/")[0] in selected}
     yield procs
     for proc in procs.values():
         if proc.poll() is None:
@@ -129,15 +198,23 @@ def _stage_rows(out: str, stage: int):
     return [line for line in out.splitlines() if line.startswith(f"[{stage}] ")]
 
 
+def _comparisons(out: str, stage: int):
+    """The comparison rows (logits, gradients, loss and updates) of a stage."""
+    return [r for r in _stage_rows(out, stage)
+            if re.search(r" (logits|gradients|loss, updates) ", r)]
+
+
 def _status(line: str) -> str:
     """The status column of a row (after the 40-wide case column)."""
     return line[len("[0] ") + 13 + 41:].split()[0]
 
 
 def test_cpu_dry_run_every_stage_passes(script_runs):
-    proc = _result(script_runs, "test_cpu_dry_run_every_stage_passes")
-    out = proc.stdout
-    assert proc.returncode == 0, out[-4000:] + proc.stderr[-3000:]
+    halves = [_result(script_runs, name) for name in RUNS if name.startswith(
+        "test_cpu_dry_run_every_stage_passes")]
+    for proc in halves:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    out = "".join(proc.stdout for proc in halves)
     for stage in STAGES:
         rows = _stage_rows(out, stage)
         assert rows and "-- stage --" in rows[-1] and _status(rows[-1]) == "ok", (stage, out)
@@ -147,12 +224,22 @@ def test_cpu_dry_run_every_stage_passes(script_runs):
     assert len(steps) == 9 and sum(_status(r) == "ok" for r in steps) == 6
     assert all("unavailable:" in r for r in steps if " / te " in r)
     assert sum("(bitwise)" in r for r in _stage_rows(out, 2)) == 2  # dist-opt on and off
-    assert len([r for r in _stage_rows(out, 3) if _status(r) == "ok"]) == 3  # fp32, bf16, stage
-    assert "constant per step" in "".join(_stage_rows(out, 4))
+    for stage in (3, 8):  # fp32 with TF32 off, every comparison ok after the steps
+        math_mode = _stage_rows(out, stage)[0]
+        assert "IEEE fp32" in math_mode and _status(math_mode) == "ok", math_mode
+    assert len(_comparisons(out, 3)) == 3  # boost vs naive: logits, gradients, loss+updates
+    assert len(_comparisons(out, 8)) == 3 * 3  # boost, naive, full at TP=2
+    assert "2 processes" in "".join(_stage_rows(out, 8)) and "gloo" in out
+    assert sum("tp=2 save/resume" in r and "(bitwise)" in r for r in _stage_rows(out, 8)) == 2
+    assert "constant per iteration" in "".join(_stage_rows(out, 4))
     # stage 5 ran the override's 3 steps, not cola-350m.yaml's token budget
     assert sum("3 steps (1 warm-up)" in r for r in _stage_rows(out, 5)) == 2
     assert len(_stage_rows(out, 7)) == 1 + 2 * 3  # (debug shape at tp 1, 2) x 3 modes
-    assert "gpu_check: 8/8 stages ok" in out
+    assert "gpu_check: 5/5 stages ok" in out and "gpu_check: 4/4 stages ok" in out
+    # the per-stage times, in the run order (stages 0-3 and the TP stage first)
+    times = [t for line in re.findall(r"^stage times: (.*)$", out, re.M)
+             for t in line.split(" | ")[:-1]]
+    assert [int(t.split()[0]) for t in times] == [0, 1, 2, 3, 8, 4, 5, 6, 7]
 
 
 def test_a_failing_and_a_hanging_stage_do_not_stop_the_next(script_runs):
@@ -164,9 +251,13 @@ def test_a_failing_and_a_hanging_stage_do_not_stop_the_next(script_runs):
     assert _status(fail_stage) == "FAIL"
     (hang,) = _stage_rows(out, 1)
     assert _status(hang) == "TIMEOUT" and "killed after its limit of 1 s" in hang
+    for stage in (3, 8):  # each comparison prints FAIL under its negative control
+        rows = _comparisons(out, stage)
+        assert len(rows) == 3 * (1 if stage == 3 else 3), out
+        assert all(_status(r) == "FAIL" for r in rows), rows
     rows = _stage_rows(out, 5)
     assert len(rows) == 3 and all(_status(r) == "ok" for r in rows), out
-    assert "not ok: 0 (FAIL), 1 (TIMEOUT)" in out
+    assert "not ok: 0 (FAIL), 1 (TIMEOUT), 3 (FAIL), 8 (FAIL)" in out
 
 
 def _processes_naming(text: str):

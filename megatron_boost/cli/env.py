@@ -13,12 +13,12 @@ building a model. Exit status 1 when megatron-core is missing or outside the tes
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata
 import platform
 import sys
 import warnings
 from typing import List, Optional, Sequence, Tuple
+
+from megatron_boost.runtime.backends import package_version
 
 __all__ = ["environment_report", "package_version", "main"]
 
@@ -29,28 +29,6 @@ _OPTIONAL = [
     ("apex", "apex", ("apex",)),
     ("flash-attn", "flash_attn", ("flash-attn", "flash_attn")),
 ]
-
-
-def _dist_version(names: Sequence[str]) -> Optional[str]:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def package_version(module: str, dists: Sequence[str]) -> str:
-    """``<version>``, ``<version> (does not import: <why>)`` or ``not installed``."""
-    version = _dist_version(dists)
-    try:
-        mod = importlib.import_module(module)
-    except Exception as err:  # ImportError, or OSError from missing CUDA libraries
-        if version is None and isinstance(err, ImportError):
-            return "not installed"
-        why = " ".join(str(err).split())[:120]
-        return f"{version or 'installed'} (does not import: {type(err).__name__}: {why})"
-    return version or getattr(mod, "__version__", None) or "installed (version unknown)"
 
 
 def _torch_line() -> Tuple[str, bool]:

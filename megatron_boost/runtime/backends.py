@@ -9,9 +9,11 @@ error rather than a silent fallback.
 
 from __future__ import annotations
 
-from typing import Tuple
+import importlib
+import importlib.metadata
+from typing import Optional, Sequence, Tuple
 
-__all__ = ["ATTENTION_BACKENDS", "check_attention_backend", "te_available",
+__all__ = ["package_version", "ATTENTION_BACKENDS", "check_attention_backend", "te_available",
            "resolve_attention_backend"]
 
 #: Accepted values of ``model.attention_backend``.
@@ -58,3 +60,24 @@ def resolve_attention_backend(requested: str, device: str,
         return "te", "auto: CUDA device and transformer_engine imports"
     return "sdpa", "auto: CUDA device but transformer_engine does not import"
 
+
+def _dist_version(names: Sequence[str]) -> Optional[str]:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def package_version(module: str, dists: Sequence[str]) -> str:
+    """``<version>``, ``<version> (does not import: <why>)`` or ``not installed``."""
+    version = _dist_version(dists)
+    try:
+        mod = importlib.import_module(module)
+    except Exception as err:  # ImportError, or OSError from missing CUDA libraries
+        if version is None and isinstance(err, ImportError):
+            return "not installed"
+        why = " ".join(str(err).split())[:120]
+        return f"{version or 'installed'} (does not import: {type(err).__name__}: {why})"
+    return version or getattr(mod, "__version__", None) or "installed (version unknown)"

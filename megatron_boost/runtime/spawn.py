@@ -63,16 +63,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, device="cpu", backend="gloo"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # One thread per worker: the test machine has two cores and up to four workers.
     torch.set_num_threads(1)
     try:
-        from megatron_boost.runtime.cpu_mode import use_cpu
+        if device == "cuda":  # ranks share the GPUs round-robin (two ranks on one GPU: gloo)
+            os.environ["LOCAL_RANK"] = str(rank % torch.cuda.device_count())
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        else:
+            from megatron_boost.runtime.cpu_mode import use_cpu
 
-        use_cpu(force=True)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            use_cpu(force=True)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Serialised to bytes: tensors put on the queue directly are shared through file
         # descriptors that vanish when this process exits.
@@ -92,8 +96,11 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, retries: int = 3):
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results.
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, retries: int = 3,
+                    device: str = "cpu", backend: str = "gloo"):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results. By
+    default gloo processes in CPU mode; ``device="cuda"`` gives rank k GPU k mod the GPU count
+    and ``backend`` its process group (gloo takes CUDA tensors, so two ranks may share a GPU).
 
     The rendezvous port is picked free but released before the store binds it, so another
     process on a busy machine can take it in between (EADDRINUSE): then it starts again on a
@@ -104,17 +111,18 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, retries:
     check_megatron_version()
     for attempt in range(retries):
         try:
-            return _run_once(fn, world_size, args, timeout)
+            return _run_once(fn, world_size, args, timeout, device, backend)
         except RuntimeError as err:
             if "EADDRINUSE" not in str(err) or attempt == retries - 1:
                 raise
 
 
-def _run_once(fn, world_size: int, args, timeout: float):
+def _run_once(fn, world_size: int, args, timeout: float, device: str, backend: str):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world_size, port, fn, args, queue, device, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,3 +1,5 @@
 """Test harnesses shipped with the package: the layout-equivalence harness
-(``verification.py``, also run by ``megatron-boost-verify-parallel``) and the host-sync counter
-(``host_sync.py``). Nothing in the training path imports from here (docs/design.md §13)."""
+(``verification.py``, also run by ``megatron-boost-verify-parallel`` and the GPU check), the
+host-sync counter and CUDA sync recorder (``host_sync.py``), and the GPU check's stages
+(``gpu_stages.py``, ``gpu_measure.py``). Nothing in the training path imports from here
+(docs/design.md §13)."""

@@ -13,20 +13,24 @@ Used by the test suite and by ``megatron-boost-verify-parallel``
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Optional
 
 import torch
 
 __all__ = ["LayoutSpec", "run_layout", "TOLERANCES", "layout_run_config", "model_config",
-           "layout_batches", "build_layout", "reference_spec", "run_many", "model_collectives"]
+           "layout_batches", "build_layout", "reference_spec", "run_many", "model_collectives",
+           "dropped_tp_all_reduces"]
 
 # fp32 tolerances. The layouts compute the same sums in different orders (split GEMMs,
 # all-reduce order, micro-batch accumulation), so results agree to fp32 rounding through two
 # layers, attention, the head and the loss: observed ≤ ~1e-6 relative. Any sharding error is
 # O(1). Gradients and parameter updates are compared per tensor, relative to the tensor's
 # largest reference magnitude.
-TOLERANCES = {"loss": 1e-5, "grad": 1e-4, "update": 1e-3, "grad_norm": 1e-5}
+# Logits are the same sums as the loss, before it averages them: compared per element relative
+# to the largest reference logit, with the loss's margin (observed ~1e-6 after three steps).
+TOLERANCES = {"loss": 1e-5, "grad": 1e-4, "update": 1e-3, "grad_norm": 1e-5, "logits": 1e-5}
 
 
 @dataclass
@@ -50,6 +54,12 @@ class LayoutSpec:
     """Also take one Adam step (clipping on) and compare the updated parameters."""
     corrupt: bool = False
     """Negative control: perturb one parameter shard before running."""
+    steps: int = 1
+    """Optimizer steps on the same global batch; the gradients compared are the last step's,
+    the updates those of all steps together, the loss the last step's."""
+    drop_tp_all_reduce: bool = False
+    """Negative control: every all-reduce over the tensor-parallel group runs on a copy, so its
+    result never reaches the model (a dropped collective, without a hang)."""
 
 
 def layout_run_config(spec: LayoutSpec):
@@ -67,6 +77,7 @@ def layout_run_config(spec: LayoutSpec):
     cfg.parallel.overlap_grad_reduce = spec.overlap_grad_reduce
     cfg.parallel.use_distributed_optimizer = spec.use_distributed_optimizer
     cfg.training.seed = spec.seed
+    cfg.training.precision = "fp32"  # the tolerances are fp32's, on the GPU too
     cfg.training.micro_batch_size = spec.micro_batch_size
     cfg.training.global_batch_size = spec.global_batch_size
     cfg.optimizer = OptimizerConfig(lr=1e-2, min_lr=1e-3, warmup_iters=0, weight_decay=0.1,
@@ -112,8 +123,10 @@ def build_layout(spec: LayoutSpec):
     built = build_run(resolve_run(cfg))
     entries = [e for m in built.chunks for e in sharded_params(m.module)]
     if spec.corrupt:
-        # Negative control: swap two rows of one sharded matrix on this rank.
-        key, _, _, param = next(e for e in entries if e[3].dim() == 2 and e[3].shape[0] > 1)
+        # Negative control: swap two rows of one sharded decoder matrix on this rank (a
+        # decoder weight acts on every token; an embedding row may meet none of the batch).
+        key, _, _, param = next(e for e in entries if e[0].startswith("decoder.")
+                                and e[3].dim() == 2 and e[3].shape[0] > 1)
         with torch.no_grad():
             param[[0, 1]] = param[[1, 0]]
     return cfg, built, entries
@@ -130,10 +143,15 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
     before = {key: param.detach().clone() for key, _, _, param in entries}
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
-    micro = layout_batches(spec, cfg.model.vocab_size, dp, dp_rank)
-    iterators = [iter(list(micro)) for _ in built.chunks]
-    result = train_step(built.forward_step, iterators, built.chunks, built.optimizer,
-                        len(micro), spec.seq_length, spec.micro_batch_size)
+    device = next(built.chunks[0].parameters()).device
+    micro = [{k: v.to(device) for k, v in m.items()}
+             for m in layout_batches(spec, cfg.model.vocab_size, dp, dp_rank)]
+    with dropped_tp_all_reduces(spec.drop_tp_all_reduce):
+        for _ in range(spec.steps):
+            iterators = [iter(list(micro)) for _ in built.chunks]
+            result = train_step(built.forward_step, iterators, built.chunks, built.optimizer,
+                                len(micro), spec.seq_length, spec.micro_batch_size)
+        logits = _logits(spec, cfg, built)
     grads = {key: param.main_grad.detach().clone() for key, _, _, param in entries}
     after = {key: param.detach().clone() for key, _, _, param in entries}
     updates = {k: after[k] - before[k] for k in after}
@@ -141,8 +159,60 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
         if world != 1:
             raise ValueError("the reference runs in one process (world size 1)")
         return {"loss": result["loss"], "grad_norm": result["grad_norm"], "grads": grads,
-                "updates": updates}
-    return _compare(spec, result, grads, updates, entries, reference)
+                "updates": updates, "logits": logits}
+    out = _compare(spec, result, grads, updates, entries, reference)
+    out["logits"] = _logits_difference(logits, reference.get("logits"))
+    return out
+
+
+@contextlib.contextmanager
+def dropped_tp_all_reduces(active: bool):
+    """While active, an all-reduce over the tensor-parallel group reduces a copy of its
+    tensor: every rank still takes part (no hang), but the sum never reaches the caller."""
+    if not active:
+        yield
+        return
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    real = torch.distributed.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        if kwargs.get("group", args[1] if len(args) > 1 else None) is group:
+            tensor = tensor.clone()
+        return real(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        torch.distributed.all_reduce = real
+
+
+def _logits(spec: LayoutSpec, cfg, built) -> Optional[torch.Tensor]:
+    """This rank's logits [b, s, V/tp] (its vocabulary shard) of the global batch's first
+    micro-batch after the steps, or None with a pipeline (logits live on the last stage only
+    and need the schedule to get there)."""
+    if spec.pp != 1:
+        return None
+    batch = layout_batches(spec, cfg.model.vocab_size, 1, 0)[0]
+    device = next(built.chunks[0].parameters()).device
+    with torch.no_grad():
+        logits = built.chunks[0](batch["tokens"].to(device), batch["position_ids"].to(device),
+                                 None)
+    return logits.detach().float().cpu()
+
+
+def _logits_difference(logits, reference) -> Optional[float]:
+    """Relative difference of this rank's vocabulary shard of the logits against the same
+    columns of the one-process logits."""
+    if logits is None or reference is None:
+        return None
+    from megatron.core import parallel_state
+
+    width = logits.shape[-1]  # V/tp
+    first = parallel_state.get_tensor_model_parallel_rank() * width
+    return _rel(logits, reference[..., first:first + width])
 
 
 def _compare(spec: LayoutSpec, result, grads, updates, entries, reference) -> dict:
@@ -174,7 +244,8 @@ def reference_spec(spec: LayoutSpec) -> LayoutSpec:
     return LayoutSpec(mode="full" if spec.mode == "full" else "naive", tp=1, pp=1, vpp=None,
                       model=dict(spec.model), seq_length=spec.seq_length,
                       micro_batch_size=spec.micro_batch_size,
-                      global_batch_size=spec.global_batch_size, seed=spec.seed)
+                      global_batch_size=spec.global_batch_size, seed=spec.seed,
+                      steps=spec.steps)
 
 
 def run_many(rank: int, world: int, jobs):
