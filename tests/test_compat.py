@@ -68,13 +68,13 @@ def test_bottleneck_slots_fill_both_mlp_shapes(shape, mode):
     'submodules')."""
     from megatron_boost.compat import local_layer_spec, spec_submodules
     from megatron_boost.model import specs
-    from megatron_boost.model.layers import BoostLinearFC1, BoostLinearRow, NaiveLinearFC1
+    from megatron_boost.model.layers import BoostLinearFC1, BoostLinearFC2, NaiveLinearFC1
 
     spec = shape(local_layer_spec())
     if mode == "boost":
         specs._boost_slots(spec)
         mlp = spec_submodules(spec.submodules.mlp)
-        assert mlp.linear_fc1 is BoostLinearFC1 and mlp.linear_fc2 is BoostLinearRow
+        assert mlp.linear_fc1 is BoostLinearFC1 and mlp.linear_fc2 is BoostLinearFC2
     else:
         specs._naive_slots(spec, tp_group=None)
         mlp = spec_submodules(spec.submodules.mlp)

@@ -118,3 +118,35 @@ def test_broken_citations_are_found():
         "defined there",
         "`no_such_function` in `model/layers.py`: no_such_function not defined there",
     ]
+
+
+def test_the_placement_block_is_the_table():
+    """§2's placement block is the table of ``parallel/placement.py`` as it reads now."""
+    from megatron_boost.parallel.placement import placement_markdown
+
+    text = DESIGN.read_text()
+    block = text.split("<!-- generated: placement -->\n", 1)[1].split("<!-- end generated", 1)[0]
+    assert block == placement_markdown() + "\n", "run python scripts/render_docs.py"
+
+
+def _section(text: str, number: int) -> str:
+    return re.split(r"^## ", text.split(f"\n## {number}. ", 1)[1], maxsplit=1, flags=re.M)[0]
+
+
+def test_the_communication_table_is_the_formula():
+    """Each row of §5's per-layer table (MHA; CoLA-7B: d 4096, f 11008, r 1024) is what the
+    formula, which reads the placement table, gives: symbols, collective count and the
+    CoLA-7B forward elements per token."""
+    from megatron_boost.analysis.comm import layer_comm_formula
+    from megatron_boost.analysis.shape import MODES, ModelShape
+
+    cola_7b = ModelShape("CoLA-7B", num_layers=32, hidden=4096, ffn=11008, heads=32,
+                         attn_rank=1024, mlp_rank=1024)
+    rows = re.findall(r"^\| (full|naive|boost) \| ([^|]+) \| ([^|]+) \| (\d+) \| (\d+) \|$",
+                      _section(DESIGN.read_text(), 5), re.M)
+    assert [r[0] for r in rows] == list(MODES)
+    for mode, fwd, bwd, count, elems in rows:
+        f = layer_comm_formula(cola_7b, mode)
+        assert (fwd.strip(), bwd.strip(), int(count), int(elems)) == (
+            f["fwd_formula"], f["bwd_formula"], f["fwd_count"] + f["bwd_count"],
+            f["fwd_elems_per_token"]), mode

@@ -21,13 +21,13 @@ from megatron_boost.config.modes import TPMode, default_rank
 
 __all__ = ["ModelShape", "Projection", "MODES", "check_mode"]
 
-#: The mode names, from the one enum (``config.modes.TPMode``).
-MODES = tuple(m.value for m in TPMode)
+#: The modes, from the one enum (``config.modes.TPMode``; each reads as its name).
+MODES = tuple(TPMode)
 
 
-def check_mode(mode: Any) -> str:
-    """'full', 'naive' or 'boost' from a string or a TPMode enum; ValueError otherwise."""
-    return TPMode.parse(getattr(mode, "value", mode)).value
+def check_mode(mode: Any) -> TPMode:
+    """The TPMode of a mode or its name ('full', 'naive', 'boost'); ValueError otherwise."""
+    return TPMode.parse(mode)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class ModelShape:
     def projections(self, mode: str) -> List[Projection]:
         """The seven projections of one layer: q, k, v, o (attention rank), gate, up, down
         (MLP rank); dense in mode 'full' (the full-rank twin), bottlenecks otherwise."""
-        lowrank = check_mode(mode) != "full"
+        lowrank = check_mode(mode).is_lowrank
         ra = self.r_attn if lowrank else None
         rm = self.r_mlp if lowrank else None
         d, f, qw, kvw = self.hidden, self.ffn, self.q_width, self.kv_width

@@ -56,6 +56,7 @@ from megatron_boost.parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     split_project,
 )
+from megatron_boost.parallel.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
 from megatron_boost.parallel.recompute import ForwardReductions, replay_product
 
 __all__ = [
@@ -66,9 +67,13 @@ __all__ = [
     "BoostLinearQKV",
     "BoostLinearFC1",
     "BoostLinearRow",
+    "BoostLinearProj",
+    "BoostLinearFC2",
     "NaiveLinearQKV",
     "NaiveLinearFC1",
     "NaiveLinearRow",
+    "NaiveLinearProj",
+    "NaiveLinearFC2",
 ]
 
 
@@ -87,25 +92,34 @@ class Projection:
 class BottleneckGroup(MegatronModule):
     """A group of bottleneck projections y_p = B_p·σ(A_p·x) sharing one input.
 
-    Subclasses fix the sharding (``_a_axis``, ``_b_axis``) and the forward. Global weights are
-    drawn on the CPU, one master tensor per factor in a fixed order (A_p then B_p for each
+    Subclasses fix the mode and the group, and write the forward; the sharding (``_a_axis``,
+    ``_b_axis``) and whether the input norm is fused come from the placement table
+    (``parallel/placement.py``). With megatron's ``perform_initialization`` the global weights
+    are drawn on the CPU, one master tensor per factor in a fixed order (A_p then B_p for each
     projection), and sliced: the same seed gives the same global weights in every mode and at
-    every TP size.
+    every TP size; without it they are left empty for the layout-independent init
+    (``model/init.py``).
 
     Args:
         config: the model config (ranks, activation, init, dtype).
         input_size: global d_in.
         projections: the projections of the group, in output order.
         tp_group: the tensor-parallel group the factors are sharded over.
-        fuse_norm: fuse online-RMSNorm of the input (boost only).
     """
 
     mode: TPMode
-    _a_axis: int
-    _b_axis: int
+    group: Group
+
+    @property
+    def _a_axis(self) -> int:
+        return placement(self.mode, self.group).a.split
+
+    @property
+    def _b_axis(self) -> int:
+        return placement(self.mode, self.group).b.split
 
     def __init__(self, config: BoostTransformerConfig, input_size: int,
-                 projections: Sequence[Projection], tp_group, fuse_norm: bool = False):
+                 projections: Sequence[Projection], tp_group):
         super().__init__(config=config)
         self.input_size = input_size
         self.projections = list(projections)
@@ -115,7 +129,7 @@ class BottleneckGroup(MegatronModule):
         # Installed by low-rank activation checkpointing for one forward or recompute only.
         self.forward_reductions: Optional[ForwardReductions] = None
         self.activation = get_bottleneck_activation(config.bottleneck_activation)
-        self.fuse_norm = fuse_norm
+        fuse_norm = self.fuse_norm = placement(self.mode, self.group).norm is Norm.FUSED
         self.eps = config.layernorm_epsilon
         self._check_divisible()
         device = (torch.device("cpu") if config.use_cpu_initialization
@@ -168,14 +182,18 @@ class BottleneckGroup(MegatronModule):
         return local.to(device=device, dtype=dtype).contiguous()
 
     def _check_divisible(self):
-        # boost shards d_in (A) and d_out (B); naive shards the rank (A rows, B columns).
-        sizes = ([("input size", self.input_size)]
-                 + [(f"output size of '{p.name}'", p.out_size) for p in self.projections]
-                 if self._a_axis == 1 else
-                 [(f"rank of '{p.name}'", p.rank) for p in self.projections])
+        """Every size the placement table splits divides by the TP size (boost: d_in and
+        d_out; naive: the ranks)."""
+        entry = placement(self.mode, self.group)
+        split = {(f.rows, f.cols)[f.split] for f in (entry.a, entry.b)}
+        sizes = {Dim.D_IN: [("input size", self.input_size)],
+                 Dim.D_OUT: [(f"output size of '{p.name}'", p.out_size)
+                             for p in self.projections],
+                 Dim.RANK: [(f"rank of '{p.name}'", p.rank) for p in self.projections]}
         check_divisible_by_tp(self.tp_size, [(f"{type(self).__name__}: {what}", size,
                                                "this layer's split")
-                                              for what, size in sizes], self.mode)
+                                              for dim in Dim if dim in split
+                                              for what, size in sizes[dim]], self.mode)
 
     def factors(self, which: str) -> List[torch.Tensor]:
         """The local factors of the projections, in order: B_<p> parameters, or for "A" the
@@ -284,8 +302,6 @@ class BoostBottleneckGroup(BottleneckGroup):
     """
 
     mode = TPMode.BOOST
-    _a_axis = 1
-    _b_axis = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ranks = [p.rank for p in self.projections]
@@ -352,8 +368,6 @@ class NaiveBottleneckGroup(BottleneckGroup):
     """
 
     mode = TPMode.NAIVE
-    _a_axis = 0
-    _b_axis = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.activation(self._column_parallel_a(x))  # [s, b, Σr/t]
@@ -423,9 +437,10 @@ def _fc1_projections(config, output_size):
     return [Projection("gate", config.mlp_rank, ffn), Projection("up", config.mlp_rank, ffn)]
 
 
-def _row_projection(config, output_size, tp_comm_buffer_name):
-    rank = config.mlp_rank if tp_comm_buffer_name == "fc2" else config.attn_rank
-    return [Projection("o" if tp_comm_buffer_name != "fc2" else "down", rank, output_size)]
+def _row_projection(config, group: Group, output_size):
+    """The one projection of a row group (proj: o, fc2: down), at its group's rank."""
+    rank = config.attn_rank if group.rank_kind == "attn" else config.mlp_rank
+    return [Projection(GROUP_PROJECTIONS[group][0], rank, output_size)]
 
 
 class BoostLinearQKV(_QKVMixin, BoostBottleneckGroup):
@@ -434,13 +449,14 @@ class BoostLinearQKV(_QKVMixin, BoostBottleneckGroup):
     Input [s, b, d/t] hidden-sharded; output [s, b, ng/t·(np/ng + 2)·hn] head-sharded.
     """
 
+    group = Group.QKV
+
     def __init__(self, input_size, output_size, *, config, init_method=None,
                  gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
         super().__init__(config, input_size,
-                         self._qkv_projections(config, input_size, output_size), tp_group,
-                         fuse_norm=True)
+                         self._qkv_projections(config, input_size, output_size), tp_group)
 
     def forward(self, x):
         return super().forward(x), None
@@ -452,12 +468,13 @@ class BoostLinearFC1(BoostBottleneckGroup):
     Input [s, b, d/t] hidden-sharded; output [s, b, 2·f/t] = [gate_local; up_local].
     """
 
+    group = Group.FC1
+
     def __init__(self, input_size, output_size, *, config, init_method=None,
                  gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _fc1_projections(config, output_size), tp_group,
-                         fuse_norm=True)
+        super().__init__(config, input_size, _fc1_projections(config, output_size), tp_group)
 
     def forward(self, x):
         return super().forward(x), None
@@ -465,17 +482,30 @@ class BoostLinearFC1(BoostBottleneckGroup):
 
 class BoostLinearRow(BoostBottleneckGroup):
     """boost ``linear_proj`` / ``linear_fc2``: head- or ffn-sharded input [s, b, in/t],
-    hidden-sharded output [s, b, d/t] (added to the sharded residual stream)."""
+    hidden-sharded output [s, b, d/t] (added to the sharded residual stream). The group, and
+    so the rank, is the subclass's: :class:`BoostLinearProj`, :class:`BoostLinearFC2`."""
 
     def __init__(self, input_size, output_size, *, config, init_method=None, bias=False,
                  input_is_parallel=True, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size,
-                         _row_projection(config, output_size, tp_comm_buffer_name), tp_group)
+        super().__init__(config, input_size, _row_projection(config, self.group, output_size),
+                         tp_group)
 
     def forward(self, x):
         return super().forward(x), None
+
+
+class BoostLinearProj(BoostLinearRow):
+    """boost ``linear_proj``: the o bottleneck (attention rank)."""
+
+    group = Group.PROJ
+
+
+class BoostLinearFC2(BoostLinearRow):
+    """boost ``linear_fc2``: the down bottleneck (MLP rank)."""
+
+    group = Group.FC2
 
 
 class _NaiveSlot:
@@ -492,6 +522,8 @@ class _NaiveSlot:
 class NaiveLinearQKV(_QKVMixin, _NaiveSlot, NaiveBottleneckGroup):
     """naive ``linear_qkv``: replicated [s, b, d] in, replicated fused qkv [s, b, 3d (MHA)] out."""
 
+    group = Group.QKV
+
     def __init__(self, input_size, output_size, *, config, init_method=None,
                  gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
@@ -507,6 +539,8 @@ class NaiveLinearQKV(_QKVMixin, _NaiveSlot, NaiveBottleneckGroup):
 class NaiveLinearFC1(_NaiveSlot, NaiveBottleneckGroup):
     """naive ``linear_fc1``: replicated [s, b, d] in, replicated [s, b, 2f] = [gate; up] out."""
 
+    group = Group.FC1
+
     def __init__(self, input_size, output_size, *, config, init_method=None,
                  gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
@@ -519,15 +553,27 @@ class NaiveLinearFC1(_NaiveSlot, NaiveBottleneckGroup):
 
 
 class NaiveLinearRow(_NaiveSlot, NaiveBottleneckGroup):
-    """naive ``linear_proj`` / ``linear_fc2``: replicated in, replicated [s, b, d] out."""
+    """naive ``linear_proj`` / ``linear_fc2``: replicated in, replicated [s, b, d] out. The
+    group is the subclass's: :class:`NaiveLinearProj`, :class:`NaiveLinearFC2`."""
 
     def __init__(self, input_size, output_size, *, config, init_method=None, bias=False,
                  input_is_parallel=True, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size,
-                         _row_projection(config, output_size, tp_comm_buffer_name),
+        super().__init__(config, input_size, _row_projection(config, self.group, output_size),
                          self._group(tp_group, bottleneck_tp_group))
 
     def forward(self, x):
         return super().forward(x), None
+
+
+class NaiveLinearProj(NaiveLinearRow):
+    """naive ``linear_proj``: the o bottleneck (attention rank)."""
+
+    group = Group.PROJ
+
+
+class NaiveLinearFC2(NaiveLinearRow):
+    """naive ``linear_fc2``: the down bottleneck (MLP rank)."""
+
+    group = Group.FC2

@@ -7,7 +7,7 @@ decoder group of the naive mode.
          decoder is built with a one-rank "TP" group (:func:`replicated_decoder_pgs`) and the
          bottlenecks receive the real TP group from the spec.
 * boost: BoostLinearQKV / BoostLinearFC1 (fused online-RMSNorm, docs/design.md §3) and
-         BoostLinearRow; IdentityOp for input_layernorm / pre_mlp_layernorm.
+         BoostLinearProj / BoostLinearFC2; IdentityOp for input_layernorm / pre_mlp_layernorm.
 
 Core attention in every mode is ``config.attention_backend`` (model/attention.py: SDPAttention,
 megatron's DotProductAttention or TE's TEDotProductAttention). With ``te`` the full-rank model is
@@ -36,11 +36,13 @@ from megatron_boost.model.attention import core_attention_class
 from megatron_boost.model.layers import (
     BottleneckGroup,
     BoostLinearFC1,
+    BoostLinearFC2,
+    BoostLinearProj,
     BoostLinearQKV,
-    BoostLinearRow,
     NaiveLinearFC1,
+    NaiveLinearFC2,
+    NaiveLinearProj,
     NaiveLinearQKV,
-    NaiveLinearRow,
 )
 from megatron_boost.parallel.recompute import lowrank_checkpoint
 
@@ -143,9 +145,9 @@ def _naive_slots(spec: ModuleSpec, tp_group) -> None:
     # bound to the group rather than ModuleSpec params.
     attn.linear_qkv = type("NaiveLinearQKVBound", (NaiveLinearQKV,),
                            {"__init__": _bind_group(NaiveLinearQKV, tp_group)})
-    attn.linear_proj = ModuleSpec(module=NaiveLinearRow, params=group)
+    attn.linear_proj = ModuleSpec(module=NaiveLinearProj, params=group)
     mlp.linear_fc1 = ModuleSpec(module=NaiveLinearFC1, params=group)
-    mlp.linear_fc2 = ModuleSpec(module=NaiveLinearRow, params=group)
+    mlp.linear_fc2 = ModuleSpec(module=NaiveLinearFC2, params=group)
 
 
 def _boost_slots(spec: ModuleSpec) -> None:
@@ -153,9 +155,9 @@ def _boost_slots(spec: ModuleSpec) -> None:
     attn, mlp = _attention_and_mlp_slots(spec)
     # Norms fused into the column layers; checkpoint keys stay those of a plain layer.
     attn.linear_qkv = BoostLinearQKV
-    attn.linear_proj = BoostLinearRow
+    attn.linear_proj = BoostLinearProj
     mlp.linear_fc1 = BoostLinearFC1
-    mlp.linear_fc2 = BoostLinearRow
+    mlp.linear_fc2 = BoostLinearFC2
     sub.input_layernorm = IdentityOp
     sub.pre_mlp_layernorm = IdentityOp
     # The fused norm weights are already named like megatron's canonical (TE-style) keys,
