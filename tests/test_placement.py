@@ -95,3 +95,23 @@ def test_a_row_layer_is_its_group_by_type_not_by_its_buffer_name():
     layer = _fc2_layer(tp_comm_buffer_name="proj")
     assert [(p.name, p.rank) for p in layer.projections] == [("down", SHAPE.mlp_rank)]
     assert layer.group is P.Group.FC2
+
+
+def test_configs_are_read_by_type_not_by_their_attributes():
+    """ModelShape.from_config and the FLOP count's mode tell a RunConfig, a ModelConfig and a
+    TransformerConfig apart by type: an object that merely has a config's attributes (a
+    ``parallel`` with a mode, a ``model``) is refused, not read."""
+    from types import SimpleNamespace
+
+    from megatron_boost.analysis.flops import forward_flops_per_token
+    from megatron_boost.analysis.shape import config_mode
+    from megatron_boost.config.run import load_run_config
+
+    cfg = load_run_config("configs/debug.yaml", ["parallel.mode=naive"])
+    assert config_mode(cfg) is TPMode.NAIVE and config_mode(cfg.model) is TPMode.BOOST
+    assert ModelShape.from_config(cfg) == ModelShape.from_config(cfg.model)
+    lookalike = SimpleNamespace(model=cfg.model, parallel=cfg.parallel)
+    with pytest.raises(TypeError, match="SimpleNamespace"):
+        ModelShape.from_config(lookalike)
+    with pytest.raises(TypeError, match="SimpleNamespace"):
+        forward_flops_per_token(lookalike)
