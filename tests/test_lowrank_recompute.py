@@ -172,3 +172,16 @@ def test_lowrank_recompute_replays_dropout():
     assert plain.keys() == low.keys()
     differ = [k for k in plain if not torch.equal(plain[k], low[k])]
     assert not differ, f"gradients differ with recompute under dropout: {differ}"
+
+
+def test_the_layers_do_not_know_about_recompute():
+    """The layers' forward is written once: low-rank checkpointing reaches their collectives
+    through the log of parallel/recompute.py (the mappings' context), never through the
+    layer modules (no attribute installed on them, no replay path of their own)."""
+    from pathlib import Path
+
+    import megatron_boost.model.layers as layers
+
+    source = Path(layers.__file__).read_text()
+    for name in ("recompute", "replay", "forward_reductions", "ForwardReductions"):
+        assert name not in source, name

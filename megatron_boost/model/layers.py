@@ -46,18 +46,17 @@ from megatron_boost.model.init import cola_init_
 from megatron_boost.model.online_rmsnorm import (
     inverse_rms,
     partial_sum_of_squares,
-    replay_sum_of_squares,
     start_sum_of_squares,
     statistic_rides_with_products,
 )
 from megatron_boost.parallel.mappings import (
     bottleneck_up,
     copy_to_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
+    reduce_forward,
+    reduce_products,
     split_project,
 )
 from megatron_boost.parallel.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
-from megatron_boost.parallel.recompute import ForwardReductions, replay_product
 
 __all__ = [
     "Projection",
@@ -126,8 +125,6 @@ class BottleneckGroup(MegatronModule):
         self.tp_group = tp_group
         self.tp_size = get_pg_size(tp_group)
         self.tp_rank = get_pg_rank(tp_group)
-        # Installed by low-rank activation checkpointing for one forward or recompute only.
-        self.forward_reductions: Optional[ForwardReductions] = None
         self.activation = get_bottleneck_activation(config.bottleneck_activation)
         fuse_norm = self.fuse_norm = placement(self.mode, self.group).norm is Norm.FUSED
         self.eps = config.layernorm_epsilon
@@ -225,21 +222,6 @@ class BottleneckGroup(MegatronModule):
         """Lay out the per-projection outputs as the consumer expects (default: concat)."""
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _all_reduce_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """fwd AR of x over the TP group, bwd identity (megatron's
-        reduce_from_tensor_model_parallel_region). Under low-rank activation checkpointing the
-        result is recorded in the forward and replayed, without communicating, in the
-        recompute (docs/design.md §7)."""
-        if self.tp_size == 1:
-            return x
-
-        def all_reduce(t):
-            return reduce_from_tensor_model_parallel_region(t, group=self.tp_group)
-
-        if self.forward_reductions is None:
-            return all_reduce(x)
-        return self.forward_reductions.reduce(x, all_reduce)
-
     # -- checkpointing ---------------------------------------------------------------------
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
@@ -318,47 +300,22 @@ class BoostBottleneckGroup(BottleneckGroup):
 
     def _reduced_products(self, x: torch.Tensor):
         """ONE GEMM for the group's A factors on the (γ-scaled) shard and ONE all-reduce of the
-        partial products; fwd AR(Σr), bwd identity (then the GEMMs' backward). With the fused
-        norm, online-RMSNorm's fp32 statistic (``model/online_rmsnorm.py``) rides as one extra
-        column of that all-reduce (Σr + 1) with fp32 products; with bf16 products its own fp32
-        all-reduce is started before the GEMM and waited for after the products' one.
-        Returns (products, statistic or None).
-
-        In the recompute of low-rank activation checkpointing the recorded sums are returned
-        without communicating and without recomputing the product (docs/design.md §7)."""
+        partial products (``reduce_products``); fwd AR(Σr), bwd identity (then the GEMMs'
+        backward). With the fused norm, online-RMSNorm's fp32 statistic
+        (``model/online_rmsnorm.py``) rides as one extra column of that all-reduce (Σr + 1)
+        with fp32 products; with bf16 products its own fp32 all-reduce is started before the
+        GEMM and waited for after the products' one. Returns (products, statistic or None).
+        Low-rank activation checkpointing serves both from its log, through the mappings
+        (docs/design.md §7)."""
         xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
-        reductions = self.forward_reductions
-        if reductions is not None and reductions.replaying and self.tp_size > 1:
-            return self._replayed_products(xin, x, reductions)
         if not self.fuse_norm:
-            return self._all_reduce_forward(torch.matmul(xin, self.A.t())), None
+            return reduce_products(xin, self.A, self.tp_group)
         if statistic_rides_with_products(xin.dtype):
-            partial = torch.matmul(xin, self.A.t())  # [s, b, Σr]
-            sumsq = partial_sum_of_squares(x)  # fp32 [s, b, 1], partial over the ranks
-            fused = self._all_reduce_forward(torch.cat([partial, sumsq], dim=-1))  # [s,b,Σr+1]
-            return fused.split([partial.shape[-1], 1], dim=-1)  # [s, b, Σr], [s, b, 1]
+            # fp32 [s, b, 1] partial over the ranks, complete after the all-reduce
+            return reduce_products(xin, self.A, self.tp_group, extra=partial_sum_of_squares(x))
         pending = start_sum_of_squares(x, self.tp_group, self.tp_size)  # in flight
-        products = self._all_reduce_forward(torch.matmul(xin, self.A.t()))
-        sumsq = pending.wait()  # fp32 [s, b, 1], complete
-        if reductions is not None and self.tp_size > 1:
-            reductions.record(sumsq)
-        return products, sumsq
-
-    def _replayed_products(self, xin: torch.Tensor, x: torch.Tensor,
-                           reductions: ForwardReductions):
-        """:meth:`_reduced_products` from the results recorded in the checkpointed forward,
-        in the order recorded there: one [Σr (+1)] result, or with bf16 products the
-        products then the statistic."""
-        a = self.A
-        first = reductions.next_recorded()
-        if not self.fuse_norm:
-            return replay_product(xin, a, first), None
-        if statistic_rides_with_products(xin.dtype):
-            n = a.shape[0]
-            products, stat = first[..., :n], first[..., n:]  # [s, b, Σr], [s, b, 1]
-        else:
-            products, stat = first, reductions.next_recorded()
-        return replay_product(xin, a, products), replay_sum_of_squares(x, stat)
+        products, _ = reduce_products(xin, self.A, self.tp_group)  # [s, b, Σr]
+        return products, pending.wait()  # fp32 [s, b, 1], complete
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
@@ -375,7 +332,7 @@ class NaiveBottleneckGroup(BottleneckGroup):
         # [s, b, Σ d_out], partial over ranks until the all-reduce (contiguous: a fresh GEMM or
         # concatenation output, as megatron's in-place all-reduce requires)
         out = self.combine(split_project(h, self.factors("B"), ranks))
-        return self._all_reduce_forward(out)  # fwd: AR(Σ d_out); bwd: identity
+        return reduce_forward(out, self.tp_group)  # fwd: AR(Σ d_out); bwd: identity
 
     def _column_parallel_a(self, x: torch.Tensor) -> torch.Tensor:
         """x · A_local^T on the replicated input: megatron's column-parallel linear. bwd:

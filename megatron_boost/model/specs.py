@@ -34,7 +34,6 @@ from megatron_boost.config.modes import TPMode
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.attention import core_attention_class
 from megatron_boost.model.layers import (
-    BottleneckGroup,
     BoostLinearFC1,
     BoostLinearFC2,
     BoostLinearProj,
@@ -96,8 +95,7 @@ class BottleneckTransformerLayer(TransformerLayer):
         def run(h):
             return super(BottleneckTransformerLayer, self).forward(h, *args, **kwargs)[0]
 
-        groups = [m for m in self.modules() if isinstance(m, BottleneckGroup)]
-        return lowrank_checkpoint(run, groups, hidden), None
+        return lowrank_checkpoint(run, hidden), None
 
 
 def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
