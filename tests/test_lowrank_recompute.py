@@ -75,7 +75,8 @@ def _run(rank, world):
                 config.lowrank_recompute = variant == "lowrank"
                 config.overlap_bottleneck_grad_reduce = variant != "no_overlap"
                 initialize_parallel(tp, 1, None, spec.seed)
-                ddp = build_ddp_model(config, padded_vocab_size(100, tp), SEQ, spec.seed)
+                ddp = build_ddp_model(config, padded_vocab_size(100, tp), SEQ, spec.seed,
+                                      device="cpu")
                 model = ddp[0]
                 batch = layout_batches(spec, 100, 1, 0)[0]
                 hooks, saved = _saved_bytes_hooks(list(model.parameters()),
@@ -153,7 +154,8 @@ def _dropout_grads(rank, world):
         # hidden dropout from the default generator: both must be replayed by the recompute.
         config.hidden_dropout = config.attention_dropout = 0.1
         initialize_parallel(1, 1, None, spec.seed)
-        (model,) = build_ddp_model(config, padded_vocab_size(100, 1), SEQ, spec.seed)
+        (model,) = build_ddp_model(config, padded_vocab_size(100, 1), SEQ, spec.seed,
+                                   device="cpu")
         batch = layout_batches(spec, 100, 1, 0)[0]
         torch.manual_seed(5)
         model_parallel_cuda_manual_seed(5)
