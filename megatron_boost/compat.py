@@ -1,5 +1,5 @@
 """Every difference between the megatron-core versions megatron-boost supports, in one place
-(docs/design.md §14). Nothing else in the package looks at megatron's version.
+(docs/design.md §15). Nothing else in the package looks at megatron's version.
 
 Supported and tested: megatron-core :data:`SUPPORTED_MEGATRON` (0.16.1 on Python 3.11 and
 0.19.2 on Python 3.12 in CI; 0.17 and later need Python >= 3.12). What differs, and how it

@@ -1,4 +1,4 @@
-"""The megatron-core version differences (megatron_boost/compat.py, docs/design.md §14) and the
+"""The megatron-core version differences (megatron_boost/compat.py, docs/design.md §15) and the
 Transformer-Engine-safe parts that run on every version: the layer-spec accessor on both spec
 shapes, the optimizer-reload workarounds touching torch's Adam only, model loading that accepts
 only TE's unsaved ``_extra_state`` keys, the version range, and the environment report."""
