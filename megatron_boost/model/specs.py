@@ -29,7 +29,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_boost.compat import local_layer_spec, spec_submodules, te_layer_spec
+from megatron_boost.compat import (local_layer_spec, spec_submodules, te_layer_spec,
+                                   with_one_rank_tp)
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.attention import core_attention_class
@@ -73,11 +74,7 @@ def default_pg_collection() -> ProcessGroupCollection:
 def replicated_decoder_pgs(pgs: ProcessGroupCollection) -> ProcessGroupCollection:
     """The naive decoder's groups: TP replaced by a one-rank group (attention, MLP activation
     and norms run on the full, replicated tensors)."""
-    naive = copy.copy(pgs)
-    naive.tp = _self_group()
-    if hasattr(pgs, "tp_cp"):
-        naive.tp_cp = pgs.cp if hasattr(pgs, "cp") else naive.tp
-    return naive
+    return with_one_rank_tp(pgs, _self_group())
 
 
 class BottleneckTransformerLayer(TransformerLayer):
