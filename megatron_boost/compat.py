@@ -1,5 +1,5 @@
 """Every difference between the megatron-core versions megatron-boost supports, in one place
-(docs/design.md §14). Nothing else in the package looks at megatron's version.
+(docs/design.md §15). Nothing else in the package looks at megatron's version.
 
 Supported and tested: megatron-core :data:`SUPPORTED_MEGATRON` (0.16.1 on Python 3.11 and
 0.19.2 on Python 3.12 in CI; 0.17 and later need Python >= 3.12). What differs, and how it
@@ -20,6 +20,14 @@ is handled here:
   megatron's own ``mcore`` strategy and :func:`async_calls_queue` returns its matching queue.
 * the distributed-optimizer reload defects (docs/design.md §10.5): which versions have which
   (:func:`optimizer_reload_defects`).
+* ``BlendedDataset`` with a cache path calls ``torch.distributed.get_rank()`` without checking
+  for a process group before 0.19 (0.16 seen; 0.19 checks): :func:`rank_zero_without_process_group`.
+
+megatron knowledge that is the same in every supported version, kept here with why:
+
+* ``ProcessGroupCollection`` declares its groups without defaults (0.16 to 0.19), so a
+  derived group such as ``tp_cp`` exists only where the collection was made with it; naive
+  mode's one-rank TP replaces it with the CP group alone (:func:`with_one_rank_tp`).
 
 Differences that need no branch, because one call serves every version: the checkpoint's
 common state moved from ``common.pt`` into the torch_dist shards in 0.17 (megatron's
@@ -30,6 +38,8 @@ model/gpt.py).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 from typing import FrozenSet, Optional, Tuple
 
@@ -40,7 +50,8 @@ __all__ = ["SUPPORTED_MEGATRON", "megatron_version", "megatron_supported",
            "check_megatron_version", "spec_submodules", "local_layer_spec", "te_layer_spec",
            "linear_with_dgrad_allreduce", "forward_backward_func", "save_sharded",
            "load_sharded", "async_calls_queue", "ASYNC_SAVE_STRATEGY",
-           "optimizer_reload_defects", "null_tokenizer"]
+           "optimizer_reload_defects", "null_tokenizer", "rank_zero_without_process_group",
+           "with_one_rank_tp"]
 
 #: The megatron-core versions megatron-boost is tested with (pyproject.toml says the same).
 SUPPORTED_MEGATRON = ">=0.16,<0.20"
@@ -220,3 +231,37 @@ def optimizer_reload_defects(version: Optional[str] = None) -> FrozenSet[str]:
     """The reload defects (see ``_DEFECTS``) megatron-core (or ``version``) has."""
     release = megatron_version(version)[:2]
     return frozenset(name for name, (first, end) in _DEFECTS.items() if first <= release < end)
+
+
+@contextlib.contextmanager
+def rank_zero_without_process_group():
+    """Let megatron-core call ``torch.distributed.get_rank()`` in a single process.
+
+    Before 0.19 ``BlendedDataset`` calls ``get_rank()`` whenever a cache path is set, which
+    raises when no process group is initialized (0.19 checks ``is_initialized`` first). A
+    single process is rank 0, so that is the answer while the block runs; with a process group,
+    or from 0.19 on, nothing is changed (tests/test_data.py builds a cached blend without a
+    process group)."""
+    import torch
+
+    if _since(19) or torch.distributed.is_initialized():
+        yield
+        return
+    original = torch.distributed.get_rank
+    torch.distributed.get_rank = lambda group=None: 0
+    try:
+        yield
+    finally:
+        torch.distributed.get_rank = original
+
+
+def with_one_rank_tp(pgs, one_rank_group):
+    """A copy of the process-group collection ``pgs`` with TP replaced by ``one_rank_group``
+    (naive mode's decoder, docs/design.md §2). Its derived TP × CP group ``tp_cp`` becomes the
+    CP group alone (or the one-rank group without CP). megatron-core 0.16 to 0.19 declare both
+    without defaults, so each is replaced only where the collection has it."""
+    out = copy.copy(pgs)
+    out.tp = one_rank_group
+    if hasattr(pgs, "tp_cp"):
+        out.tp_cp = pgs.cp if hasattr(pgs, "cp") else one_rank_group
+    return out

@@ -14,7 +14,8 @@ Kinds of block:
 * ``bench PATH [PATH ...]``: a Markdown table of CPU-benchmark JSON files written by
   ``tools/benchmark.py --json`` (step time, tokens/s, TP traffic, saved activations per row;
   then the speed ratios of each file, and the low-rank recompute overhead when a file was
-  measured with ``--recompute lowrank`` beside one without).
+  measured with ``--recompute lowrank`` beside one without);
+* ``placement``: the placement table (``megatron_boost/parallel/placement.py``) as Markdown.
 
     python scripts/render_docs.py            # rewrite the blocks in place
     python scripts/render_docs.py --check    # exit 1, naming each stale block, if any differs
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the package of this checkout (the placement block)
+    sys.path.insert(0, str(ROOT))
 BLOCK = re.compile(r"(<!-- generated: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)",
                    re.S)
 MIB = 1024 * 1024
@@ -96,7 +99,15 @@ def _bench(root: Path, *paths: str) -> str:
     return "\n".join(out) + "\n"
 
 
-RENDERERS = {"include": _include, "bench": _bench}
+def _placement(root: Path) -> str:
+    """The placement table of ``megatron_boost/parallel/placement.py`` (no result file: the
+    table is code, and the block shows it as it reads there)."""
+    from megatron_boost.parallel.placement import placement_markdown
+
+    return placement_markdown() + "\n"
+
+
+RENDERERS = {"include": _include, "bench": _bench, "placement": _placement}
 
 
 def render_block(root: Path, spec: str) -> str:

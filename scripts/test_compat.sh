@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The compatibility tier (docs/design.md §14): the newest supported stack, Python 3.12 +
+# The compatibility tier (docs/design.md §15): the newest supported stack, Python 3.12 +
 # megatron-core 0.19.2 + torch 2.14.1, built (or reused) in .venv312 by scripts/setup_env.sh,
 # then the tests that prove megatron-boost on it. .ci/run runs it after scripts/test.sh (the
 # whole suite on the primary 3.11 / 0.16.1 / torch 2.13 CPU environment).
@@ -12,7 +12,7 @@
 # torch for Python 3.12 comes from PyPI, whose Linux torch wheels are CUDA builds (about
 # 2.6 GB with their CUDA libraries; they run on the CPU too): hence --cuda, on purpose, since
 # the CPU wheel index is not reachable from every CI machine. The measured times are in
-# docs/design.md §14.
+# docs/design.md §15.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export VENV=${COMPAT_VENV:-.venv312}

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# No process outlives the session: checked when it ends (tests/leak_check.py).
+from tests.leak_check import pytest_sessionfinish, pytest_testnodedown  # noqa: F401  (hooks)
+
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's pre-emption signals
 

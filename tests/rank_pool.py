@@ -307,6 +307,15 @@ def distributed(fn: Callable, world: int, *args, timeout: float = 300.0) -> list
     return pool().distributed(fn, world, *args, timeout=timeout)
 
 
+def close_pool() -> None:
+    """Close the session's pool, if it was started (the end-of-session process check,
+    tests/leak_check.py, runs after it)."""
+    global _POOL
+    if _POOL is not None:
+        _POOL.close()
+        _POOL = None
+
+
 def pool() -> RankPool:
     """The session's pool (closed when pytest exits)."""
     global _POOL

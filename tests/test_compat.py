@@ -1,4 +1,4 @@
-"""The megatron-core version differences (megatron_boost/compat.py, docs/design.md §14) and the
+"""The megatron-core version differences (megatron_boost/compat.py, docs/design.md §15) and the
 Transformer-Engine-safe parts that run on every version: the layer-spec accessor on both spec
 shapes, the optimizer-reload workarounds touching torch's Adam only, model loading that accepts
 only TE's unsaved ``_extra_state`` keys, the version range, and the environment report."""
@@ -68,13 +68,13 @@ def test_bottleneck_slots_fill_both_mlp_shapes(shape, mode):
     'submodules')."""
     from megatron_boost.compat import local_layer_spec, spec_submodules
     from megatron_boost.model import specs
-    from megatron_boost.model.layers import BoostLinearFC1, BoostLinearRow, NaiveLinearFC1
+    from megatron_boost.model.layers import BoostLinearFC1, BoostLinearFC2, NaiveLinearFC1
 
     spec = shape(local_layer_spec())
     if mode == "boost":
         specs._boost_slots(spec)
         mlp = spec_submodules(spec.submodules.mlp)
-        assert mlp.linear_fc1 is BoostLinearFC1 and mlp.linear_fc2 is BoostLinearRow
+        assert mlp.linear_fc1 is BoostLinearFC1 and mlp.linear_fc2 is BoostLinearFC2
     else:
         specs._naive_slots(spec, tp_group=None)
         mlp = spec_submodules(spec.submodules.mlp)

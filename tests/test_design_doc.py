@@ -118,3 +118,113 @@ def test_broken_citations_are_found():
         "defined there",
         "`no_such_function` in `model/layers.py`: no_such_function not defined there",
     ]
+
+
+def test_the_placement_block_is_the_table():
+    """§2's placement block is the table of ``parallel/placement.py`` as it reads now."""
+    from megatron_boost.parallel.placement import placement_markdown
+
+    text = DESIGN.read_text()
+    block = text.split("<!-- generated: placement -->\n", 1)[1].split("<!-- end generated", 1)[0]
+    assert block == placement_markdown() + "\n", "run python scripts/render_docs.py"
+
+
+def _section(text: str, number: int) -> str:
+    return re.split(r"^## ", text.split(f"\n## {number}. ", 1)[1], maxsplit=1, flags=re.M)[0]
+
+
+def test_the_communication_table_is_the_formula():
+    """Each row of §5's per-layer table (MHA; CoLA-7B: d 4096, f 11008, r 1024) is what the
+    formula, which reads the placement table, gives: symbols, collective count and the
+    CoLA-7B forward elements per token."""
+    from megatron_boost.analysis.comm import layer_comm_formula
+    from megatron_boost.analysis.shape import MODES, ModelShape
+
+    cola_7b = ModelShape("CoLA-7B", num_layers=32, hidden=4096, ffn=11008, heads=32,
+                         attn_rank=1024, mlp_rank=1024)
+    rows = re.findall(r"^\| (full|naive|boost) \| ([^|]+) \| ([^|]+) \| (\d+) \| (\d+) \|$",
+                      _section(DESIGN.read_text(), 5), re.M)
+    assert [r[0] for r in rows] == list(MODES)
+    for mode, fwd, bwd, count, elems in rows:
+        f = layer_comm_formula(cola_7b, mode)
+        assert (fwd.strip(), bwd.strip(), int(count), int(elems)) == (
+            f["fwd_formula"], f["bwd_formula"], f["fwd_count"] + f["bwd_count"],
+            f["fwd_elems_per_token"]), mode
+
+
+_SECTION_REF = re.compile(r"design\.md((?:[\s,(]*(?:and\s+)?§\d+(?:\.\d+)?)+)")
+
+
+def _design_sections(text: str) -> set:
+    """The numbers of design.md's sections and subsections ("2", "10.6")."""
+    return set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.?\s", text, re.M))
+
+
+def section_references(root: Path = ROOT) -> list:
+    """(file, section) of every citation of a design.md section: "docs/design.md §2, §5" in
+    the code, scripts, tests and documents, and every bare "§N" inside design.md itself."""
+    refs = []
+    for path in [p for d in _CODE_DIRS for p in (root / d).rglob("*.py")] + \
+            [p for d in _CODE_DIRS for p in (root / d).rglob("*.sh")] + \
+            [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = " ".join(path.read_text(encoding="utf-8", errors="replace").split())
+        found = (re.findall(r"§(\d+(?:\.\d+)?)", text) if path.name == "design.md" else
+                 [n for m in _SECTION_REF.findall(text) for n in re.findall(r"§(\d+(?:\.\d+)?)", m)])
+        refs += [(str(path.relative_to(root)), n) for n in found]
+    return refs
+
+
+def test_every_cited_section_exists():
+    """A "docs/design.md §N" anywhere in the repository (and a "§N" inside design.md) names
+    a section that exists: "§14" was cited for the version support of §15."""
+    sections = _design_sections(DESIGN.read_text())
+    missing = sorted({(f, n) for f, n in section_references() if n not in sections})
+    assert not missing, missing
+
+
+def _documented_returns():
+    """(file, function, documented arity, returned arities) of every function of the package
+    whose docstring says "Returns (a, b, ...)" and which returns tuples."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "megatron_boost").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = " ".join((ast.get_docstring(node) or "").split())
+            m = re.search(r"Returns:? \(([^()]*(?:\([^()]*\)[^()]*)*)\)", doc)
+            sizes = {len(r.value.elts) for r in ast.walk(node)
+                     if isinstance(r, ast.Return) and isinstance(r.value, ast.Tuple)}
+            if m and sizes:
+                documented = len(re.split(r",(?![^()]*\))", m.group(1)))
+                found.append((str(path.relative_to(ROOT)), node.name, documented, sizes))
+    return found
+
+
+def test_documented_return_tuples_match_the_code():
+    """A docstring's "Returns (a, b)" has as many values as the function returns
+    (``Trainer._check_inputs`` documented two and returned three)."""
+    found = _documented_returns()
+    assert any(name == "_check_inputs" for _, name, _, _ in found)
+    assert [f for f in found if f[3] != {f[2]}] == []
+
+
+def test_tools_are_shims_as_the_design_document_says():
+    """§13: every ``tools/*.py`` but ``tools/init_time.py`` is a shim of a few lines calling
+    its ``megatron_boost.cli`` main."""
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        if path.name == "init_time.py":
+            continue
+        text = path.read_text()
+        assert len(text.splitlines()) <= 4 and "from megatron_boost.cli." in text, path.name
+
+
+def test_the_layer_docstring_says_how_weights_start():
+    """model/layers.py's BottleneckGroup documents both starts: drawn and sliced with
+    megatron's perform_initialization, left empty for the global init without it (the code
+    path of _initial_shard)."""
+    from megatron_boost.model.layers import BottleneckGroup
+
+    doc = " ".join(BottleneckGroup.__doc__.split())
+    assert "perform_initialization" in doc and "left empty" in doc

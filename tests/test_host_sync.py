@@ -55,7 +55,7 @@ def _step_syncs(num_layers, num_microbatches):
     cfg = load_run_config("configs/debug.yaml", [f"model.num_layers={num_layers}",
                                                  f"model.seq_length={SEQ}"])
     config = to_transformer_config(resolve_run(cfg))
-    ddp = build_ddp_model(config, 256, SEQ, seed=1)
+    ddp = build_ddp_model(config, 256, SEQ, seed=1, device="cpu")
     optimizer = build_optimizer(config, ddp, lr=1e-3, min_lr=1e-4, weight_decay=0.0)
     forward_step = make_forward_step(next)
     data = [_batches(256, seed=2)]

@@ -132,3 +132,32 @@ def test_the_checks_see_a_violation(tmp_path, monkeypatch, source, expect):
     monkeypatch.setitem(globals(), "PACKAGE", fake)
     found = upward_imports() if expect == "upward" else private_imports()
     assert len(found) == 1 and "megatron_boost.analysis.bad:" in found[0], found
+
+
+def room_dependencies() -> dict:
+    """room -> the other rooms it imports from, in room order, read from the import graph."""
+    deps = {room: set() for room in ROOMS}
+    for module, path in _modules():
+        room = _room(module)
+        if room not in ROOMS:
+            continue
+        for _, target, names in _imports(path):
+            for name in names or ("",):
+                target_room = _room(target) or _room(f"{target}.{name}" if name else target)
+                if target_room in ROOMS and target_room != room:
+                    deps[room].add(target_room)
+    return {room: sorted(found, key=ROOMS.index) for room, found in deps.items()}
+
+
+def test_the_design_documents_room_table_is_the_import_graph():
+    """docs/design.md §13's "imports from" table states what each room imports: the claims
+    about rooms (analysis measures the model's layers; perf works from shapes only) are read
+    from the imports, not written by hand."""
+    import re
+
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    table = text.split("| room | imports from |")[1].split("\n\n")[0]
+    rows = dict(re.findall(r"^\| (\w+) \| ([\w, —]+) \|$", table, re.M))
+    documented = {room: [] if deps.strip() == "—" else deps.strip().split(", ")
+                  for room, deps in rows.items()}
+    assert documented == room_dependencies()

@@ -52,6 +52,45 @@ def _models(mode):
     return reference, once
 
 
+def _renamed_output_slots(chunk) -> None:
+    """Rename every decoder layer's linear_proj and linear_fc2 in place (their checkpoint keys
+    change with the names; the modules and their types do not)."""
+    for layer in chunk.decoder.layers:
+        for parent, old, new in ((layer.self_attention, "linear_proj", "out_renamed"),
+                                 (layer.mlp, "linear_fc2", "down_renamed")):
+            parent._modules = {new if k == old else k: v for k, v in parent._modules.items()}
+
+
+def _init_stds(chunks, config):
+    """{parameter: std} after the global init with SEED."""
+    from megatron_boost.model.init import init_global_weights
+
+    init_global_weights(chunks, SEED, config)
+    return {id(p): p.detach().float().std().item() for p in chunks[0].parameters()}
+
+
+def _rename_changes_no_std(mode) -> list:
+    """Parameters whose init std changes when the output slots are renamed: none, since the
+    std follows the holding module's type. Without CoLA's init (which ignores the slot), each
+    std is megatron's, scaled by 1/sqrt(2L) = 1/2 for the output projections and B factors;
+    1/2 against 1 stands far outside the 25 % a draw of >= 256 values can stray."""
+    from megatron_boost.config.resolved import resolve_run, to_transformer_config
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.model.gpt import build_model
+
+    cfg = load_run_config("configs/debug.yaml", [f"parallel.mode={mode}", "parallel.tp=2",
+                                                 "model.cola_init=false"])
+    run = resolve_run(cfg, "cpu", vocab_size=cfg.model.vocab_size)
+    config = to_transformer_config(run)
+    chunks = build_model(config, run.padded_vocab_size, cfg.model.seq_length)
+    before = _init_stds(chunks, config)
+    _renamed_output_slots(chunks[0])
+    after = _init_stds(chunks, config)
+    names = {id(p): n for n, p in chunks[0].named_parameters()}
+    return [names[k] for k in before
+            if abs(after[k] - before[k]) > 0.25 * max(before[k], 1e-12)]
+
+
 def _tp_attributes(param):
     """megatron's TP attributes: the gradient norm counts a parameter without
     ``tensor_model_parallel`` on TP rank 0 only."""
@@ -72,6 +111,7 @@ def _worker(rank, world):
         out[mode] = {"n": len(ref), "differ": [k for k in ref if not torch.equal(ref[k], got[k])],
                      "attributes_differ": [k for k in ref if _tp_attributes(ref[k])
                                            != _tp_attributes(got[k])]}
+    out["renamed"] = {mode: _rename_changes_no_std(mode) for mode in MODES}
     # a parameter with no global checkpoint key cannot be initialised: refused by name
     once[0].unkeyed = _Unkeyed()
     try:
@@ -97,3 +137,11 @@ def test_weights_drawn_once_equal_megatron_init_then_global_init(results, mode):
 def test_parameter_without_global_key_is_refused(results):
     for r in results:
         assert r["unkeyed"] is not None and "unkeyed" in r["unkeyed"], r["unkeyed"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_renaming_a_submodule_changes_no_init_std(results, mode):
+    """The scaled output init follows the type of the module holding a parameter, not its
+    name in the checkpoint key (model/init.py ``uses_output_init``)."""
+    for r in results:
+        assert r["renamed"][mode] == [], r["renamed"][mode]

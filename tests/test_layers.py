@@ -52,8 +52,9 @@ def build_layer(kind, mode, config, group):
     groups = config.num_query_groups
     qkv_out = HEADS * HN + 2 * groups * HN
     cls = {("boost", "qkv"): L.BoostLinearQKV, ("boost", "fc1"): L.BoostLinearFC1,
-           ("boost", "row"): L.BoostLinearRow, ("naive", "qkv"): L.NaiveLinearQKV,
-           ("naive", "fc1"): L.NaiveLinearFC1, ("naive", "row"): L.NaiveLinearRow}
+           ("boost", "proj"): L.BoostLinearProj, ("boost", "fc2"): L.BoostLinearFC2,
+           ("naive", "qkv"): L.NaiveLinearQKV, ("naive", "fc1"): L.NaiveLinearFC1,
+           ("naive", "proj"): L.NaiveLinearProj, ("naive", "fc2"): L.NaiveLinearFC2}
     if kind.startswith("qkv"):
         return cls[(mode, "qkv")](D, qkv_out, config=config, tp_group=group,
                                   tp_comm_buffer_name="qkv")
@@ -61,7 +62,7 @@ def build_layer(kind, mode, config, group):
         return cls[(mode, "fc1")](D, 2 * FFN, config=config, tp_group=group,
                                   tp_comm_buffer_name="fc1")
     in_size = HEADS * HN if kind == "proj" else FFN
-    return cls[(mode, "row")](in_size, D, config=config, tp_group=group,
+    return cls[(mode, kind)](in_size, D, config=config, tp_group=group,
                               tp_comm_buffer_name=kind)
 
 

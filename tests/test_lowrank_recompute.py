@@ -75,7 +75,8 @@ def _run(rank, world):
                 config.lowrank_recompute = variant == "lowrank"
                 config.overlap_bottleneck_grad_reduce = variant != "no_overlap"
                 initialize_parallel(tp, 1, None, spec.seed)
-                ddp = build_ddp_model(config, padded_vocab_size(100, tp), SEQ, spec.seed)
+                ddp = build_ddp_model(config, padded_vocab_size(100, tp), SEQ, spec.seed,
+                                      device="cpu")
                 model = ddp[0]
                 batch = layout_batches(spec, 100, 1, 0)[0]
                 hooks, saved = _saved_bytes_hooks(list(model.parameters()),
@@ -153,7 +154,8 @@ def _dropout_grads(rank, world):
         # hidden dropout from the default generator: both must be replayed by the recompute.
         config.hidden_dropout = config.attention_dropout = 0.1
         initialize_parallel(1, 1, None, spec.seed)
-        (model,) = build_ddp_model(config, padded_vocab_size(100, 1), SEQ, spec.seed)
+        (model,) = build_ddp_model(config, padded_vocab_size(100, 1), SEQ, spec.seed,
+                                   device="cpu")
         batch = layout_batches(spec, 100, 1, 0)[0]
         torch.manual_seed(5)
         model_parallel_cuda_manual_seed(5)
@@ -172,3 +174,16 @@ def test_lowrank_recompute_replays_dropout():
     assert plain.keys() == low.keys()
     differ = [k for k in plain if not torch.equal(plain[k], low[k])]
     assert not differ, f"gradients differ with recompute under dropout: {differ}"
+
+
+def test_the_layers_do_not_know_about_recompute():
+    """The layers' forward is written once: low-rank checkpointing reaches their collectives
+    through the log of parallel/recompute.py (the mappings' context), never through the
+    layer modules (no attribute installed on them, no replay path of their own)."""
+    from pathlib import Path
+
+    import megatron_boost.model.layers as layers
+
+    source = Path(layers.__file__).read_text()
+    for name in ("recompute", "replay", "forward_reductions", "ForwardReductions"):
+        assert name not in source, name

@@ -39,14 +39,12 @@ def _layer(group):
 
 
 def _grads(layer, x, checkpointed):
-    from megatron_boost.model.layers import BottleneckGroup
     from megatron_boost.parallel.recompute import lowrank_checkpoint
 
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     if checkpointed:
-        groups = [m for m in layer.modules() if isinstance(m, BottleneckGroup)]
-        out = lowrank_checkpoint(lambda h: layer(h)[0], groups, x)
+        out = lowrank_checkpoint(lambda h: layer(h)[0], x)
     else:
         out = layer(x)[0]
     out.float().pow(2).sum().backward()

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
             config = to_transformer_config(run)
             t0, c0 = time.perf_counter(), time.process_time()
             ddp = step.build_ddp_model(config, vocab, cfg.model.seq_length, cfg.training.seed,
-                                       rotary_base=cfg.model.rotary_base)
+                                       device=run.device, rotary_base=cfg.model.rotary_base)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
             n = sum(p.numel() for m in ddp for p in m.module.parameters())

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
+from megatron_boost.parallel.placement import GROUPS, Norm, collective_widths, placement
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,8 @@ _CROSS_ENTROPY_FP32_VALUES = 3
 def tp_comm_widths(shape: ModelShape, mode: str,
                    dtype: str = "fp32") -> Tuple[List[int], List[int]]:
     """(forward, backward) widths, elements per token, of one layer's TP all-reduces, in issue
-    order (docs/design.md §5).
+    order (docs/design.md §5), read from the placement table
+    (:func:`megatron_boost.parallel.placement.collective_widths`):
 
     * full: row-parallel proj and fc2 all-reduce their d-wide outputs forward; column-parallel
       qkv and fc1 all-reduce their d-wide input gradients backward.
@@ -54,25 +56,17 @@ def tp_comm_widths(shape: ModelShape, mode: str,
       before the A GEMM, so qkv and gate+up issue two forward all-reduces each: 1 then 3r_a,
       1 then 2r_m.
     """
-    d, f = shape.hidden, shape.ffn
     mode = check_mode(mode)
-    if mode == "full":
-        return [d, d], [d, d]
-    if mode == "naive":
-        return ([shape.q_width + 2 * shape.kv_width, d, 2 * f, d],
-                [d, shape.q_width, d, f])
-    ra, rm = shape.r_attn, shape.r_mlp
-    bwd = [3 * ra, ra, 2 * rm, rm]
-    if fp32_statistic_columns(mode, dtype):
-        return [1, 3 * ra, ra, 1, 2 * rm, rm], bwd
-    return [3 * ra + 1, ra, 2 * rm + 1, rm], bwd
+    return collective_widths(mode, shape.projections(mode), products_fp32=dtype == "fp32")
 
 
 def fp32_statistic_columns(mode: str, dtype: str) -> int:
     """Forward all-reduces per layer that carry online-RMSNorm's statistic as fp32 on their own
     (one value per token): boost's two fused norms when the activations are not fp32
     (docs/design.md §3); otherwise the statistic rides in the products' all-reduce."""
-    return 2 if check_mode(mode) == "boost" and dtype != "fp32" else 0
+    if dtype == "fp32":
+        return 0
+    return sum(placement(mode, group).norm is Norm.FUSED for group in GROUPS)
 
 
 def _formula_text(shape: ModelShape, mode: str) -> Tuple[str, str]:

@@ -29,17 +29,17 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_boost.analysis.shape import ModelShape, check_mode
+from megatron_boost.analysis.shape import ModelShape, check_mode, config_mode
+from megatron_boost.config.modes import TPMode
 
 __all__ = ["flops_per_token", "forward_flops_per_token", "step_flops", "rank_step_flops",
            "attention_core_flops", "count_flops", "peak_tflops", "MODEL_FLOPS_CAUSAL"]
 
 
-def _mode_of(cfg: Any, mode: Optional[str]) -> str:
-    """The explicit mode, else the config's own (RunConfig.parallel.mode or tp_mode)."""
-    if mode is None:
-        mode = cfg.parallel.mode if hasattr(cfg, "parallel") else getattr(cfg, "tp_mode", "boost")
-    return check_mode(mode)
+def _mode_of(cfg: Any, mode: Optional[str]) -> TPMode:
+    """The explicit mode, else the config's own (:func:`~megatron_boost.analysis.shape.
+    config_mode`)."""
+    return config_mode(cfg) if mode is None else check_mode(mode)
 
 
 def attention_core_flops(seq_length: int, heads: int, head_dim: int,

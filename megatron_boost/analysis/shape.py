@@ -9,7 +9,8 @@ seven projections of one layer with their (d_in, d_out, rank); the FLOP count
 model (:mod:`megatron_boost.perf.model`) are all derived from it, so each formula exists once.
 
 :meth:`ModelShape.from_config` is the one config reader: it accepts a ``RunConfig`` (uses its
-``.model``), a ``ModelConfig`` or a megatron ``(Boost)TransformerConfig``.
+``.model``), a ``ModelConfig`` or a megatron ``(Boost)TransformerConfig``, told apart by type
+(:func:`config_mode` reads the mode a config names the same way).
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from typing import Any, List, Optional
 
 from megatron_boost.config.modes import TPMode, default_rank
 
-__all__ = ["ModelShape", "Projection", "MODES", "check_mode"]
+__all__ = ["ModelShape", "Projection", "MODES", "check_mode", "config_mode"]
 
-#: The mode names, from the one enum (``config.modes.TPMode``).
-MODES = tuple(m.value for m in TPMode)
+#: The modes, from the one enum (``config.modes.TPMode``; each reads as its name).
+MODES = tuple(TPMode)
 
 
-def check_mode(mode: Any) -> str:
-    """'full', 'naive' or 'boost' from a string or a TPMode enum; ValueError otherwise."""
-    return TPMode.parse(getattr(mode, "value", mode)).value
+def check_mode(mode: Any) -> TPMode:
+    """The TPMode of a mode or its name ('full', 'naive', 'boost'); ValueError otherwise."""
+    return TPMode.parse(mode)
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,28 @@ class Projection:
         return 2.0 * self.params
 
 
-def _first(obj: Any, *names: str) -> Any:
-    for name in names:
-        value = getattr(obj, name, None)
-        if value is not None:
-            return value
-    return None
+def _transformer_config(cfg: Any):
+    """``cfg`` as megatron's TransformerConfig (imported only for one: the other configs are
+    read without torch); TypeError for anything else."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not isinstance(cfg, TransformerConfig):
+        raise TypeError(f"a model shape is read from a RunConfig, a ModelConfig, a "
+                        f"TransformerConfig or a ModelShape, not {type(cfg).__name__}")
+    return cfg
+
+
+def config_mode(cfg: Any) -> TPMode:
+    """The TP mode a config names: a RunConfig's ``parallel.mode``, a BoostTransformerConfig's
+    ``tp_mode``; boost for a config that names none (a ModelConfig, a ModelShape, megatron's
+    own TransformerConfig)."""
+    from megatron_boost.config.run import ModelConfig, RunConfig
+
+    if isinstance(cfg, RunConfig):
+        return TPMode.parse(cfg.parallel.mode)
+    if isinstance(cfg, (ModelConfig, ModelShape)):
+        return TPMode.BOOST
+    return TPMode.parse(getattr(_transformer_config(cfg), "tp_mode", TPMode.BOOST))
 
 
 @dataclass(frozen=True)
@@ -79,20 +96,23 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: Any, name: str = "config") -> "ModelShape":
-        """From a RunConfig, a ModelConfig or a (Boost)TransformerConfig. A TransformerConfig
-        has no vocabulary or sequence length: those stay None (pass them to the formulas)."""
-        m = cfg.model if hasattr(cfg, "model") and hasattr(cfg, "parallel") else cfg
-        if hasattr(m, "resolved_ranks"):  # ModelConfig: explicit ranks or rank_ratio · d
-            ra, rm = m.resolved_ranks()
+        """From a RunConfig, a ModelConfig or a (Boost)TransformerConfig, told apart by type.
+        A TransformerConfig has no vocabulary or sequence length: those stay None (pass them
+        to the formulas); megatron's own has no ranks (the default rank applies)."""
+        from megatron_boost.config.run import ModelConfig, RunConfig
+
+        m = cfg.model if isinstance(cfg, RunConfig) else cfg
+        if isinstance(m, ModelConfig):
+            ra, rm = m.resolved_ranks()  # explicit ranks or rank_ratio · d
+            vocab, seq = m.vocab_size, m.seq_length
         else:
+            m = _transformer_config(m)
             ra, rm = getattr(m, "attn_rank", None), getattr(m, "mlp_rank", None)
+            vocab = seq = None
         d = int(m.hidden_size)
-        vocab = _first(m, "vocab_size", "padded_vocab_size")
-        seq = _first(m, "seq_length")
         return cls(name=name, num_layers=int(m.num_layers), hidden=d,
-                   ffn=int(_first(m, "ffn_hidden_size") or 4 * d),
-                   heads=int(m.num_attention_heads),
-                   query_groups=_first(m, "num_query_groups"), head_dim=_first(m, "kv_channels"),
+                   ffn=int(m.ffn_hidden_size or 4 * d), heads=int(m.num_attention_heads),
+                   query_groups=m.num_query_groups, head_dim=m.kv_channels,
                    vocab=None if vocab is None else int(vocab),
                    seq_length=None if seq is None else int(seq),
                    attn_rank=None if ra is None else int(ra),
@@ -129,7 +149,7 @@ class ModelShape:
     def projections(self, mode: str) -> List[Projection]:
         """The seven projections of one layer: q, k, v, o (attention rank), gate, up, down
         (MLP rank); dense in mode 'full' (the full-rank twin), bottlenecks otherwise."""
-        lowrank = check_mode(mode) != "full"
+        lowrank = check_mode(mode).is_lowrank
         ra = self.r_attn if lowrank else None
         rm = self.r_mlp if lowrank else None
         d, f, qw, kvw = self.hidden, self.ffn, self.q_width, self.kv_width

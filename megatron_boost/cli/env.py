@@ -2,7 +2,7 @@
 environment or container (``python -m megatron_boost`` or ``megatron-boost-env``).
 
 Prints the versions of Python, torch (CUDA or CPU build), megatron-core (and whether it is in
-the tested range, docs/design.md §14), Transformer Engine, apex and flash-attn; the device a
+the tested range, docs/design.md §15), Transformer Engine, apex and flash-attn; the device a
 run with ``training.device: auto`` would use; the attention backend that
 ``model.attention_backend: auto`` would pick there, and why; and the optimizer class megatron's
 ``get_megatron_optimizer`` builds for ``optimizer: adam``, read from the same module-level

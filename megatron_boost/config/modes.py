@@ -28,6 +28,16 @@ class TPMode(str, enum.Enum):
     """Bottleneck model with BOOST's bottleneck-aware TP: hidden-sharded residual stream, one
     all-reduce of the r-wide bottleneck per projection group (the product)."""
 
+    # A mode reads, prints and hashes as its name (as enum.StrEnum, Python 3.11+), so reports,
+    # JSON and dictionaries keyed by the name take either.
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
     @classmethod
     def parse(cls, value) -> "TPMode":
         if isinstance(value, cls):

@@ -17,7 +17,6 @@ Everything here is a thin layer over ``megatron.core.datasets`` and ``megatron.c
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -283,27 +282,6 @@ def build_tokenizer(data_cfg: DataConfig):
                          f"as a {data_cfg.tokenizer_type} tokenizer ({reason})") from None
 
 
-@contextlib.contextmanager
-def _rank_zero_without_process_group():
-    """Let megatron-core call ``torch.distributed.get_rank()`` in a single process.
-
-    megatron-core 0.16 ``BlendedDataset`` calls ``get_rank()`` whenever a cache path is set, which
-    raises when no process group is initialized. A single process is rank 0, so answer that
-    while the datasets are built; with a process group nothing is changed.
-    """
-    import torch
-
-    if torch.distributed.is_initialized():
-        yield
-        return
-    original = torch.distributed.get_rank
-    torch.distributed.get_rank = lambda group=None: 0
-    try:
-        yield
-    finally:
-        torch.distributed.get_rank = original
-
-
 def _check_split_coverage(prefixes: list[str], split_matrix: list, split: str) -> None:
     """Fail early when ``split`` gives some prefix no documents in a split with weight > 0.
 
@@ -395,7 +373,9 @@ def build_gpt_datasets(
         lambda: True,  # every rank holds the datasets; rank 0 still builds the cache first
         config,
     )
-    with _rank_zero_without_process_group():
+    from megatron_boost.compat import rank_zero_without_process_group  # a version difference
+
+    with rank_zero_without_process_group():
         train_ds, valid_ds, test_ds = builder.build()
     return train_ds, valid_ds, test_ds
 

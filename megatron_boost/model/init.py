@@ -15,8 +15,8 @@ from typing import Callable, Iterable, List
 
 import torch
 
-__all__ = ["cola_std", "cola_init_", "sharded_params", "init_global_weights",
-           "build_globally_initialised"]
+__all__ = ["cola_std", "cola_init_", "sharded_params", "uses_output_init",
+           "init_global_weights", "build_globally_initialised"]
 
 
 def cola_std(rank: int, d_in: int, d_out: int) -> float:
@@ -102,10 +102,49 @@ def _slicer(pieces):
     return slice_
 
 
-def _init_rule(key: str, shape, shapes_by_key, config, gen) -> torch.Tensor:
+def _row_parallel_types() -> tuple:
+    """megatron's row-parallel linear classes (the full-rank proj and fc2): the local one, and
+    Transformer Engine's where it imports."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    from megatron_boost.runtime.backends import te_available
+
+    if not te_available():
+        return (RowParallelLinear,)
+    from megatron.core.extensions.transformer_engine import TERowParallelLinear
+
+    return RowParallelLinear, TERowParallelLinear
+
+
+def uses_output_init(module: torch.nn.Module, param_name: str) -> bool:
+    """Whether a parameter is drawn with megatron's scaled output init (scaled_init_method_
+    normal), decided by the type of the module that holds it, never by where it sits: every
+    B factor of a bottleneck (the layers draw B with ``output_layer_init_method``), every
+    factor of a group that writes the residual stream (proj, fc2: ``Group.writes_residual``
+    of the placement table), and megatron's row-parallel linears (full rank proj, fc2)."""
+    from megatron_boost.model.layers import BottleneckGroup
+
+    if isinstance(module, BottleneckGroup):
+        return module.group.writes_residual or param_name.startswith("B_")
+    return isinstance(module, _row_parallel_types())
+
+
+def _holders(chunks: List[torch.nn.Module]) -> Callable[[torch.Tensor], torch.nn.Module]:
+    """tensor -> the module holding the parameter whose memory it lies in (a grouped A's row
+    views lie in the grouped A)."""
+    spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), m)
+             for chunk in chunks for m in chunk.modules() for p in m.parameters(recurse=False)]
+
+    def holder(t: torch.Tensor) -> torch.nn.Module:
+        return next(m for lo, hi, m in spans if lo <= t.data_ptr() < hi)
+    return holder
+
+
+def _init_rule(key: str, shape, shapes_by_key, config, gen,
+               output_init: bool) -> torch.Tensor:
     """The global tensor of ``key``: ones for norms, CoLA's normal for bottleneck factors
-    (with ``cola_init``), else megatron's normal(init_method_std), scaled by 1/sqrt(2L) for
-    output projections (megatron's scaled_init_method_normal)."""
+    (with ``cola_init``), else megatron's normal(init_method_std), scaled by 1/sqrt(2L) where
+    ``output_init`` (:func:`uses_output_init`; megatron's scaled_init_method_normal)."""
     base, at, layer = key.partition("@")
     name = base.rsplit(".", 1)[-1]
     if "layernorm" in key or name == "layer_norm_weight" or key.endswith("norm.weight"):
@@ -116,7 +155,7 @@ def _init_rule(key: str, shape, shapes_by_key, config, gen) -> torch.Tensor:
         b_shape = shapes_by_key[f"{base[: -len(name)]}B_{proj}{at}{layer}"]  # [d_out, r]
         return torch.randn(shape, generator=gen) * cola_std(a_shape[0], a_shape[1], b_shape[0])
     std = config.init_method_std
-    if name.startswith("B_") or "linear_proj" in key or "linear_fc2" in key:
+    if output_init:
         std = std / math.sqrt(2.0 * config.num_layers)  # megatron's scaled output init
     return torch.randn(shape, generator=gen) * std
 
@@ -129,10 +168,13 @@ def init_global_weights(chunks: Iterable[torch.nn.Module], seed: int, config) ->
     entries = [e for chunk in chunks for e in sharded_params(chunk)]
     _check_every_parameter_covered(chunks, entries)
     shapes = {key: shape for key, shape, _, _ in entries}
+    holder = _holders(chunks)
     with torch.no_grad():
         for key, shape, slicer, param in entries:
             gen = torch.Generator().manual_seed(seed ^ zlib.crc32(key.encode()))
-            full = _init_rule(key, shape, shapes, config, gen)
+            name = key.partition("@")[0].rsplit(".", 1)[-1]
+            full = _init_rule(key, shape, shapes, config, gen,
+                              uses_output_init(holder(param), name))
             local = slicer(full)
             if local.shape != param.shape:
                 raise RuntimeError(f"init of {key}: slice {tuple(local.shape)} of global "

@@ -46,17 +46,17 @@ from megatron_boost.model.init import cola_init_
 from megatron_boost.model.online_rmsnorm import (
     inverse_rms,
     partial_sum_of_squares,
-    replay_sum_of_squares,
     start_sum_of_squares,
     statistic_rides_with_products,
 )
 from megatron_boost.parallel.mappings import (
     bottleneck_up,
     copy_to_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
+    reduce_forward,
+    reduce_products,
     split_project,
 )
-from megatron_boost.parallel.recompute import ForwardReductions, replay_product
+from megatron_boost.parallel.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
 
 __all__ = [
     "Projection",
@@ -66,9 +66,13 @@ __all__ = [
     "BoostLinearQKV",
     "BoostLinearFC1",
     "BoostLinearRow",
+    "BoostLinearProj",
+    "BoostLinearFC2",
     "NaiveLinearQKV",
     "NaiveLinearFC1",
     "NaiveLinearRow",
+    "NaiveLinearProj",
+    "NaiveLinearFC2",
 ]
 
 
@@ -87,35 +91,42 @@ class Projection:
 class BottleneckGroup(MegatronModule):
     """A group of bottleneck projections y_p = B_p·σ(A_p·x) sharing one input.
 
-    Subclasses fix the sharding (``_a_axis``, ``_b_axis``) and the forward. Global weights are
-    drawn on the CPU, one master tensor per factor in a fixed order (A_p then B_p for each
+    Subclasses fix the mode and the group, and write the forward; the sharding (``_a_axis``,
+    ``_b_axis``) and whether the input norm is fused come from the placement table
+    (``parallel/placement.py``). With megatron's ``perform_initialization`` the global weights
+    are drawn on the CPU, one master tensor per factor in a fixed order (A_p then B_p for each
     projection), and sliced: the same seed gives the same global weights in every mode and at
-    every TP size.
+    every TP size; without it they are left empty for the layout-independent init
+    (``model/init.py``).
 
     Args:
         config: the model config (ranks, activation, init, dtype).
         input_size: global d_in.
         projections: the projections of the group, in output order.
         tp_group: the tensor-parallel group the factors are sharded over.
-        fuse_norm: fuse online-RMSNorm of the input (boost only).
     """
 
     mode: TPMode
-    _a_axis: int
-    _b_axis: int
+    group: Group
+
+    @property
+    def _a_axis(self) -> int:
+        return placement(self.mode, self.group).a.split
+
+    @property
+    def _b_axis(self) -> int:
+        return placement(self.mode, self.group).b.split
 
     def __init__(self, config: BoostTransformerConfig, input_size: int,
-                 projections: Sequence[Projection], tp_group, fuse_norm: bool = False):
+                 projections: Sequence[Projection], tp_group):
         super().__init__(config=config)
         self.input_size = input_size
         self.projections = list(projections)
         self.tp_group = tp_group
         self.tp_size = get_pg_size(tp_group)
         self.tp_rank = get_pg_rank(tp_group)
-        # Installed by low-rank activation checkpointing for one forward or recompute only.
-        self.forward_reductions: Optional[ForwardReductions] = None
         self.activation = get_bottleneck_activation(config.bottleneck_activation)
-        self.fuse_norm = fuse_norm
+        fuse_norm = self.fuse_norm = placement(self.mode, self.group).norm is Norm.FUSED
         self.eps = config.layernorm_epsilon
         self._check_divisible()
         device = (torch.device("cpu") if config.use_cpu_initialization
@@ -168,14 +179,18 @@ class BottleneckGroup(MegatronModule):
         return local.to(device=device, dtype=dtype).contiguous()
 
     def _check_divisible(self):
-        # boost shards d_in (A) and d_out (B); naive shards the rank (A rows, B columns).
-        sizes = ([("input size", self.input_size)]
-                 + [(f"output size of '{p.name}'", p.out_size) for p in self.projections]
-                 if self._a_axis == 1 else
-                 [(f"rank of '{p.name}'", p.rank) for p in self.projections])
+        """Every size the placement table splits divides by the TP size (boost: d_in and
+        d_out; naive: the ranks)."""
+        entry = placement(self.mode, self.group)
+        split = {(f.rows, f.cols)[f.split] for f in (entry.a, entry.b)}
+        sizes = {Dim.D_IN: [("input size", self.input_size)],
+                 Dim.D_OUT: [(f"output size of '{p.name}'", p.out_size)
+                             for p in self.projections],
+                 Dim.RANK: [(f"rank of '{p.name}'", p.rank) for p in self.projections]}
         check_divisible_by_tp(self.tp_size, [(f"{type(self).__name__}: {what}", size,
                                                "this layer's split")
-                                              for what, size in sizes], self.mode)
+                                              for dim in Dim if dim in split
+                                              for what, size in sizes[dim]], self.mode)
 
     def factors(self, which: str) -> List[torch.Tensor]:
         """The local factors of the projections, in order: B_<p> parameters, or for "A" the
@@ -206,21 +221,6 @@ class BottleneckGroup(MegatronModule):
     def combine(self, outs: List[torch.Tensor]) -> torch.Tensor:
         """Lay out the per-projection outputs as the consumer expects (default: concat)."""
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-
-    def _all_reduce_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """fwd AR of x over the TP group, bwd identity (megatron's
-        reduce_from_tensor_model_parallel_region). Under low-rank activation checkpointing the
-        result is recorded in the forward and replayed, without communicating, in the
-        recompute (docs/design.md §7)."""
-        if self.tp_size == 1:
-            return x
-
-        def all_reduce(t):
-            return reduce_from_tensor_model_parallel_region(t, group=self.tp_group)
-
-        if self.forward_reductions is None:
-            return all_reduce(x)
-        return self.forward_reductions.reduce(x, all_reduce)
 
     # -- checkpointing ---------------------------------------------------------------------
 
@@ -284,8 +284,6 @@ class BoostBottleneckGroup(BottleneckGroup):
     """
 
     mode = TPMode.BOOST
-    _a_axis = 1
-    _b_axis = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ranks = [p.rank for p in self.projections]
@@ -302,47 +300,22 @@ class BoostBottleneckGroup(BottleneckGroup):
 
     def _reduced_products(self, x: torch.Tensor):
         """ONE GEMM for the group's A factors on the (γ-scaled) shard and ONE all-reduce of the
-        partial products; fwd AR(Σr), bwd identity (then the GEMMs' backward). With the fused
-        norm, online-RMSNorm's fp32 statistic (``model/online_rmsnorm.py``) rides as one extra
-        column of that all-reduce (Σr + 1) with fp32 products; with bf16 products its own fp32
-        all-reduce is started before the GEMM and waited for after the products' one.
-        Returns (products, statistic or None).
-
-        In the recompute of low-rank activation checkpointing the recorded sums are returned
-        without communicating and without recomputing the product (docs/design.md §7)."""
+        partial products (``reduce_products``); fwd AR(Σr), bwd identity (then the GEMMs'
+        backward). With the fused norm, online-RMSNorm's fp32 statistic
+        (``model/online_rmsnorm.py``) rides as one extra column of that all-reduce (Σr + 1)
+        with fp32 products; with bf16 products its own fp32 all-reduce is started before the
+        GEMM and waited for after the products' one. Returns (products, statistic or None).
+        Low-rank activation checkpointing serves both from its log, through the mappings
+        (docs/design.md §7)."""
         xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
-        reductions = self.forward_reductions
-        if reductions is not None and reductions.replaying and self.tp_size > 1:
-            return self._replayed_products(xin, x, reductions)
         if not self.fuse_norm:
-            return self._all_reduce_forward(torch.matmul(xin, self.A.t())), None
+            return reduce_products(xin, self.A, self.tp_group)
         if statistic_rides_with_products(xin.dtype):
-            partial = torch.matmul(xin, self.A.t())  # [s, b, Σr]
-            sumsq = partial_sum_of_squares(x)  # fp32 [s, b, 1], partial over the ranks
-            fused = self._all_reduce_forward(torch.cat([partial, sumsq], dim=-1))  # [s,b,Σr+1]
-            return fused.split([partial.shape[-1], 1], dim=-1)  # [s, b, Σr], [s, b, 1]
+            # fp32 [s, b, 1] partial over the ranks, complete after the all-reduce
+            return reduce_products(xin, self.A, self.tp_group, extra=partial_sum_of_squares(x))
         pending = start_sum_of_squares(x, self.tp_group, self.tp_size)  # in flight
-        products = self._all_reduce_forward(torch.matmul(xin, self.A.t()))
-        sumsq = pending.wait()  # fp32 [s, b, 1], complete
-        if reductions is not None and self.tp_size > 1:
-            reductions.record(sumsq)
-        return products, sumsq
-
-    def _replayed_products(self, xin: torch.Tensor, x: torch.Tensor,
-                           reductions: ForwardReductions):
-        """:meth:`_reduced_products` from the results recorded in the checkpointed forward,
-        in the order recorded there: one [Σr (+1)] result, or with bf16 products the
-        products then the statistic."""
-        a = self.A
-        first = reductions.next_recorded()
-        if not self.fuse_norm:
-            return replay_product(xin, a, first), None
-        if statistic_rides_with_products(xin.dtype):
-            n = a.shape[0]
-            products, stat = first[..., :n], first[..., n:]  # [s, b, Σr], [s, b, 1]
-        else:
-            products, stat = first, reductions.next_recorded()
-        return replay_product(xin, a, products), replay_sum_of_squares(x, stat)
+        products, _ = reduce_products(xin, self.A, self.tp_group)  # [s, b, Σr]
+        return products, pending.wait()  # fp32 [s, b, 1], complete
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
@@ -352,8 +325,6 @@ class NaiveBottleneckGroup(BottleneckGroup):
     """
 
     mode = TPMode.NAIVE
-    _a_axis = 0
-    _b_axis = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.activation(self._column_parallel_a(x))  # [s, b, Σr/t]
@@ -361,7 +332,7 @@ class NaiveBottleneckGroup(BottleneckGroup):
         # [s, b, Σ d_out], partial over ranks until the all-reduce (contiguous: a fresh GEMM or
         # concatenation output, as megatron's in-place all-reduce requires)
         out = self.combine(split_project(h, self.factors("B"), ranks))
-        return self._all_reduce_forward(out)  # fwd: AR(Σ d_out); bwd: identity
+        return reduce_forward(out, self.tp_group)  # fwd: AR(Σ d_out); bwd: identity
 
     def _column_parallel_a(self, x: torch.Tensor) -> torch.Tensor:
         """x · A_local^T on the replicated input: megatron's column-parallel linear. bwd:
@@ -423,9 +394,10 @@ def _fc1_projections(config, output_size):
     return [Projection("gate", config.mlp_rank, ffn), Projection("up", config.mlp_rank, ffn)]
 
 
-def _row_projection(config, output_size, tp_comm_buffer_name):
-    rank = config.mlp_rank if tp_comm_buffer_name == "fc2" else config.attn_rank
-    return [Projection("o" if tp_comm_buffer_name != "fc2" else "down", rank, output_size)]
+def _row_projection(config, group: Group, output_size):
+    """The one projection of a row group (proj: o, fc2: down), at its group's rank."""
+    rank = config.attn_rank if group.rank_kind == "attn" else config.mlp_rank
+    return [Projection(GROUP_PROJECTIONS[group][0], rank, output_size)]
 
 
 class BoostLinearQKV(_QKVMixin, BoostBottleneckGroup):
@@ -434,13 +406,14 @@ class BoostLinearQKV(_QKVMixin, BoostBottleneckGroup):
     Input [s, b, d/t] hidden-sharded; output [s, b, ng/t·(np/ng + 2)·hn] head-sharded.
     """
 
+    group = Group.QKV
+
     def __init__(self, input_size, output_size, *, config, init_method=None,
                  gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
         super().__init__(config, input_size,
-                         self._qkv_projections(config, input_size, output_size), tp_group,
-                         fuse_norm=True)
+                         self._qkv_projections(config, input_size, output_size), tp_group)
 
     def forward(self, x):
         return super().forward(x), None
@@ -452,12 +425,13 @@ class BoostLinearFC1(BoostBottleneckGroup):
     Input [s, b, d/t] hidden-sharded; output [s, b, 2·f/t] = [gate_local; up_local].
     """
 
+    group = Group.FC1
+
     def __init__(self, input_size, output_size, *, config, init_method=None,
                  gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _fc1_projections(config, output_size), tp_group,
-                         fuse_norm=True)
+        super().__init__(config, input_size, _fc1_projections(config, output_size), tp_group)
 
     def forward(self, x):
         return super().forward(x), None
@@ -465,17 +439,30 @@ class BoostLinearFC1(BoostBottleneckGroup):
 
 class BoostLinearRow(BoostBottleneckGroup):
     """boost ``linear_proj`` / ``linear_fc2``: head- or ffn-sharded input [s, b, in/t],
-    hidden-sharded output [s, b, d/t] (added to the sharded residual stream)."""
+    hidden-sharded output [s, b, d/t] (added to the sharded residual stream). The group, and
+    so the rank, is the subclass's: :class:`BoostLinearProj`, :class:`BoostLinearFC2`."""
 
     def __init__(self, input_size, output_size, *, config, init_method=None, bias=False,
                  input_is_parallel=True, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size,
-                         _row_projection(config, output_size, tp_comm_buffer_name), tp_group)
+        super().__init__(config, input_size, _row_projection(config, self.group, output_size),
+                         tp_group)
 
     def forward(self, x):
         return super().forward(x), None
+
+
+class BoostLinearProj(BoostLinearRow):
+    """boost ``linear_proj``: the o bottleneck (attention rank)."""
+
+    group = Group.PROJ
+
+
+class BoostLinearFC2(BoostLinearRow):
+    """boost ``linear_fc2``: the down bottleneck (MLP rank)."""
+
+    group = Group.FC2
 
 
 class _NaiveSlot:
@@ -492,6 +479,8 @@ class _NaiveSlot:
 class NaiveLinearQKV(_QKVMixin, _NaiveSlot, NaiveBottleneckGroup):
     """naive ``linear_qkv``: replicated [s, b, d] in, replicated fused qkv [s, b, 3d (MHA)] out."""
 
+    group = Group.QKV
+
     def __init__(self, input_size, output_size, *, config, init_method=None,
                  gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
@@ -507,6 +496,8 @@ class NaiveLinearQKV(_QKVMixin, _NaiveSlot, NaiveBottleneckGroup):
 class NaiveLinearFC1(_NaiveSlot, NaiveBottleneckGroup):
     """naive ``linear_fc1``: replicated [s, b, d] in, replicated [s, b, 2f] = [gate; up] out."""
 
+    group = Group.FC1
+
     def __init__(self, input_size, output_size, *, config, init_method=None,
                  gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
@@ -519,15 +510,27 @@ class NaiveLinearFC1(_NaiveSlot, NaiveBottleneckGroup):
 
 
 class NaiveLinearRow(_NaiveSlot, NaiveBottleneckGroup):
-    """naive ``linear_proj`` / ``linear_fc2``: replicated in, replicated [s, b, d] out."""
+    """naive ``linear_proj`` / ``linear_fc2``: replicated in, replicated [s, b, d] out. The
+    group is the subclass's: :class:`NaiveLinearProj`, :class:`NaiveLinearFC2`."""
 
     def __init__(self, input_size, output_size, *, config, init_method=None, bias=False,
                  input_is_parallel=True, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size,
-                         _row_projection(config, output_size, tp_comm_buffer_name),
+        super().__init__(config, input_size, _row_projection(config, self.group, output_size),
                          self._group(tp_group, bottleneck_tp_group))
 
     def forward(self, x):
         return super().forward(x), None
+
+
+class NaiveLinearProj(NaiveLinearRow):
+    """naive ``linear_proj``: the o bottleneck (attention rank)."""
+
+    group = Group.PROJ
+
+
+class NaiveLinearFC2(NaiveLinearRow):
+    """naive ``linear_fc2``: the down bottleneck (MLP rank)."""
+
+    group = Group.FC2

@@ -1,5 +1,5 @@
 """online-RMSNorm's statistic (docs/design.md §3): the fp32 sum of squares of the local hidden
-shard, its all-reduce, its stand-in for low-rank recompute, and 1/rms.
+shard, its all-reduce (recorded and replayed under low-rank recompute), and 1/rms.
 
 boost's column layers fuse the pre-norm into their A GEMM, A·(γ⊙x/rms(x)) = (A·(γ⊙x))/rms(x),
 so each rank needs only Σ_k x_k² summed over the TP group. It is fp32 from x to 1/rms in every
@@ -14,8 +14,10 @@ from typing import List
 
 import torch
 
+from megatron_boost.parallel.recompute import active_log
+
 __all__ = ["statistic_rides_with_products", "partial_sum_of_squares", "start_sum_of_squares",
-           "PendingStatistic", "replay_sum_of_squares", "inverse_rms"]
+           "PendingStatistic", "inverse_rms"]
 
 
 def statistic_rides_with_products(dtype: torch.dtype) -> bool:
@@ -61,46 +63,40 @@ def partial_sum_of_squares(x: torch.Tensor) -> torch.Tensor:
 
 
 class PendingStatistic:
-    """The all-reduced statistic once :meth:`wait` returns (an all-reduce in flight before)."""
+    """The all-reduced statistic once :meth:`wait` returns (an all-reduce in flight before).
 
-    def __init__(self, sumsq: torch.Tensor, handle):
-        self._sumsq, self._handle = sumsq, handle
+    In a low-rank checkpointed layer (``parallel/recompute.py``) the complete statistic is
+    recorded into the layer's log when waited for, in the forward; in the recompute no
+    all-reduce is issued and :meth:`wait` returns the recorded one, with the gradient of the
+    local Σx² (docs/design.md §7)."""
+
+    def __init__(self, sumsq: torch.Tensor, handle, log=None):
+        self._sumsq, self._handle, self._log = sumsq, handle, log
 
     def wait(self) -> torch.Tensor:
         """The complete Σx² over the TP group, fp32 [s, b, 1]."""
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
+        if self._log is None:
+            return self._sumsq
+        log, self._log = self._log, None
+        if log.replaying:
+            self._sumsq = log.replay_next(self._sumsq)
+        else:
+            log.record(self._sumsq)
         return self._sumsq
 
 
 def start_sum_of_squares(x: torch.Tensor, group, tp_size: int) -> PendingStatistic:
     """Σx² of the local shard x with its fp32 all-reduce over ``group`` started
-    asynchronously (none for one rank): issue it before the A GEMM, wait after."""
+    asynchronously (none for one rank, and none in a low-rank recompute): issue it before the
+    A GEMM, wait after."""
+    log = active_log() if tp_size > 1 else None
     handles: List = []
-    sumsq = _SumOfSquares.apply(x, group if tp_size > 1 else None, handles)
-    return PendingStatistic(sumsq, handles[0] if handles else None)
-
-
-class _ReplaySumOfSquares(torch.autograd.Function):
-    """Recompute stand-in of the all-reduced statistic: the recorded fp32 [s, b, 1]; bwd as
-    :class:`_SumOfSquares` (the reduction's bwd is identity)."""
-
-    @staticmethod
-    def forward(ctx, x, recorded):
-        ctx.save_for_backward(x)
-        return recorded.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return _sum_of_squares_grad(x, g), None
-
-
-def replay_sum_of_squares(x: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
-    """The statistic recorded in a checkpointed forward, with the gradient of Σx² over the
-    TP group (low-rank recompute, docs/design.md §7): no communication."""
-    return _ReplaySumOfSquares.apply(x, recorded)
+    reduce_over = None if tp_size == 1 or (log is not None and log.replaying) else group
+    sumsq = _SumOfSquares.apply(x, reduce_over, handles)
+    return PendingStatistic(sumsq, handles[0] if handles else None, log)
 
 
 def inverse_rms(sumsq: torch.Tensor, hidden_size: int, eps: float) -> torch.Tensor:

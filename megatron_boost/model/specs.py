@@ -7,7 +7,7 @@ decoder group of the naive mode.
          decoder is built with a one-rank "TP" group (:func:`replicated_decoder_pgs`) and the
          bottlenecks receive the real TP group from the spec.
 * boost: BoostLinearQKV / BoostLinearFC1 (fused online-RMSNorm, docs/design.md §3) and
-         BoostLinearRow; IdentityOp for input_layernorm / pre_mlp_layernorm.
+         BoostLinearProj / BoostLinearFC2; IdentityOp for input_layernorm / pre_mlp_layernorm.
 
 Core attention in every mode is ``config.attention_backend`` (model/attention.py: SDPAttention,
 megatron's DotProductAttention or TE's TEDotProductAttention). With ``te`` the full-rank model is
@@ -29,18 +29,20 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_boost.compat import local_layer_spec, spec_submodules, te_layer_spec
+from megatron_boost.compat import (local_layer_spec, spec_submodules, te_layer_spec,
+                                   with_one_rank_tp)
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.attention import core_attention_class
 from megatron_boost.model.layers import (
-    BottleneckGroup,
     BoostLinearFC1,
+    BoostLinearFC2,
+    BoostLinearProj,
     BoostLinearQKV,
-    BoostLinearRow,
     NaiveLinearFC1,
+    NaiveLinearFC2,
+    NaiveLinearProj,
     NaiveLinearQKV,
-    NaiveLinearRow,
 )
 from megatron_boost.parallel.recompute import lowrank_checkpoint
 
@@ -72,11 +74,7 @@ def default_pg_collection() -> ProcessGroupCollection:
 def replicated_decoder_pgs(pgs: ProcessGroupCollection) -> ProcessGroupCollection:
     """The naive decoder's groups: TP replaced by a one-rank group (attention, MLP activation
     and norms run on the full, replicated tensors)."""
-    naive = copy.copy(pgs)
-    naive.tp = _self_group()
-    if hasattr(pgs, "tp_cp"):
-        naive.tp_cp = pgs.cp if hasattr(pgs, "cp") else naive.tp
-    return naive
+    return with_one_rank_tp(pgs, _self_group())
 
 
 class BottleneckTransformerLayer(TransformerLayer):
@@ -94,8 +92,7 @@ class BottleneckTransformerLayer(TransformerLayer):
         def run(h):
             return super(BottleneckTransformerLayer, self).forward(h, *args, **kwargs)[0]
 
-        groups = [m for m in self.modules() if isinstance(m, BottleneckGroup)]
-        return lowrank_checkpoint(run, groups, hidden), None
+        return lowrank_checkpoint(run, hidden), None
 
 
 def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
@@ -143,9 +140,9 @@ def _naive_slots(spec: ModuleSpec, tp_group) -> None:
     # bound to the group rather than ModuleSpec params.
     attn.linear_qkv = type("NaiveLinearQKVBound", (NaiveLinearQKV,),
                            {"__init__": _bind_group(NaiveLinearQKV, tp_group)})
-    attn.linear_proj = ModuleSpec(module=NaiveLinearRow, params=group)
+    attn.linear_proj = ModuleSpec(module=NaiveLinearProj, params=group)
     mlp.linear_fc1 = ModuleSpec(module=NaiveLinearFC1, params=group)
-    mlp.linear_fc2 = ModuleSpec(module=NaiveLinearRow, params=group)
+    mlp.linear_fc2 = ModuleSpec(module=NaiveLinearFC2, params=group)
 
 
 def _boost_slots(spec: ModuleSpec) -> None:
@@ -153,9 +150,9 @@ def _boost_slots(spec: ModuleSpec) -> None:
     attn, mlp = _attention_and_mlp_slots(spec)
     # Norms fused into the column layers; checkpoint keys stay those of a plain layer.
     attn.linear_qkv = BoostLinearQKV
-    attn.linear_proj = BoostLinearRow
+    attn.linear_proj = BoostLinearProj
     mlp.linear_fc1 = BoostLinearFC1
-    mlp.linear_fc2 = BoostLinearRow
+    mlp.linear_fc2 = BoostLinearFC2
     sub.input_layernorm = IdentityOp
     sub.pre_mlp_layernorm = IdentityOp
     # The fused norm weights are already named like megatron's canonical (TE-style) keys,

@@ -19,11 +19,16 @@ are re-exported here under their megatron names, and the layers call them by tho
 All of them return early for a group of one rank. BOOST's own collective is
 :func:`bottleneck_up`: the B factors on the replicated bottleneck, whose backward all-reduce of
 dz overlaps the dB GEMMs (docs/design.md §7), one autograd Function in the manner of megatron's.
+
+The layers' forward all-reduces go through :func:`reduce_forward` (megatron's
+``reduce_from_tensor_model_parallel_region``) and :func:`reduce_products` (boost's A side):
+under low-rank activation checkpointing they record into, then replay from, the checkpointed
+layer's log (``parallel/recompute.py``), so the layers' forward is written once.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.tensor_parallel.mappings import (
@@ -33,13 +38,58 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_pg_size
 
+from megatron_boost.parallel.recompute import active_log, replay_product, replay_reduce
+
 __all__ = [
     "copy_to_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "reduce_forward",
+    "reduce_products",
     "split_project",
     "bottleneck_up",
 ]
+
+
+def reduce_forward(x: torch.Tensor, group) -> torch.Tensor:
+    """fwd all-reduce of x over ``group``, bwd identity (megatron's
+    reduce_from_tensor_model_parallel_region). In a low-rank checkpointed layer the result is
+    recorded in the forward and replayed, without communicating, in the recompute
+    (docs/design.md §7)."""
+    if get_pg_size(group) == 1:
+        return x
+
+    def all_reduce(t):
+        return reduce_from_tensor_model_parallel_region(t, group=group)
+
+    log = active_log()
+    return all_reduce(x) if log is None else log.reduce(x, all_reduce)
+
+
+def reduce_products(xin: torch.Tensor, a: torch.Tensor, group,
+                    extra: Optional[torch.Tensor] = None
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """boost's A side: ONE GEMM of the group's A factors and ONE all-reduce of the partial
+    products, xin [s, b, d_in/t] · A^T -> [s, b, Σr]; ``extra`` partial columns [s, b, k] (the
+    fused norm's fp32 statistic) ride as the last columns of the same all-reduce. fwd AR(Σr
+    (+k)), bwd identity (then the GEMM's backward). Returns (products, reduced extra or None).
+
+    In the recompute of a low-rank checkpointed layer the recorded sums are returned without
+    communicating and without the product's GEMM (its gradient needs only xin and A)."""
+    log = active_log()
+    if log is not None and log.replaying and get_pg_size(group) > 1:
+        recorded = log.next_recorded()
+        n = a.shape[0]
+        products = replay_product(xin, a, recorded[..., :n])  # [s, b, Σr]
+        if extra is None:
+            return products, None
+        return products, replay_reduce(extra, recorded[..., n:])  # [s, b, k]
+    partial = torch.matmul(xin, a.t())  # [s, b, Σr]
+    if extra is None:
+        return reduce_forward(partial, group), None
+    fused = reduce_forward(torch.cat([partial, extra], dim=-1), group)  # [s, b, Σr + k]
+    products, reduced = fused.split([partial.shape[-1], extra.shape[-1]], dim=-1)
+    return products, reduced
 
 
 def split_project(z: torch.Tensor, weights, ranks: Sequence[int]) -> List[torch.Tensor]:

@@ -3,25 +3,29 @@
 
 A checkpointed layer keeps, for its backward, only its input (boost: the hidden shard
 [s, b, d/t]) and the results of its forward all-reduces (boost: the Σr (+1) wide bottleneck
-sums and online-RMSNorm's fp32 sums of squares, whose stand-in lives with the norm in
-``model/online_rmsnorm.py``; naive: the reduced chunk outputs). The
+sums and online-RMSNorm's fp32 sums of squares; naive: the reduced chunk outputs). The
 backward re-runs the layer; each forward all-reduce is then served from the recorded result,
 so a recompute never re-runs a collective and computes bitwise the same values.
 
-The state is explicit: a :class:`ForwardReductions` object is installed on the layer's
-bottleneck groups (their ``forward_reductions`` attribute) for the duration of the forward and
-of the recompute only (:func:`installed`), and records, then replays, their reductions in issue
-order. Outside a checkpointed layer the attribute is None and the groups reduce normally.
+The layers do not know about it: their forward is written once. The log of the layer's forward
+reductions (:class:`ForwardReductions`) is the context of the collectives themselves
+(:func:`active_log`), set by :func:`lowrank_checkpoint` for the checkpointed forward and for the
+recompute only. The forward all-reduces of ``parallel/mappings.py`` (``reduce_forward``,
+``reduce_products``) and online-RMSNorm's statistic (``model/online_rmsnorm.py``) record their
+results into it, then replay them in issue order. Outside a checkpointed layer there is no log
+and they reduce normally.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Callable, Iterable, List, Optional
 
 import torch
 
-__all__ = ["ForwardReductions", "installed", "lowrank_checkpoint", "replay_product"]
+__all__ = ["ForwardReductions", "active_log", "lowrank_checkpoint", "replay_product",
+           "replay_reduce"]
 
 
 class _ReplayReduce(torch.autograd.Function):
@@ -66,6 +70,12 @@ class _ReplayProduct(torch.autograd.Function):
         return dxin, da, None
 
 
+def replay_reduce(partial: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+    """The recorded all-reduce(partial): no communication; its backward hands the gradient to
+    ``partial`` unchanged, as the reduction's (:class:`_ReplayReduce`)."""
+    return _ReplayReduce.apply(partial, recorded)
+
+
 def replay_product(xin: torch.Tensor, a: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
     """The recorded all-reduce(xin · A^T), with that expression's gradients
     (:class:`_ReplayProduct`): no communication, no GEMM."""
@@ -93,10 +103,15 @@ class ForwardReductions:
     def reduce(self, x: torch.Tensor, all_reduce: Callable) -> torch.Tensor:
         """``all_reduce(x)``, recorded; when replaying, the recorded result instead."""
         if self.replaying:
-            return _ReplayReduce.apply(x, self.next_recorded())
+            return self.replay_next(x)
         out = all_reduce(x)
         self.results.append(out.detach())
         return out
+
+    def replay_next(self, partial: torch.Tensor) -> torch.Tensor:
+        """The next recorded result in the place of ``all_reduce(partial)``
+        (:func:`replay_reduce`); only while replaying."""
+        return replay_reduce(partial, self.next_recorded())
 
     def record(self, reduced: torch.Tensor) -> None:
         """Record the result of a reduction issued outside :meth:`reduce` (an asynchronous
@@ -110,16 +125,24 @@ class ForwardReductions:
                                f"{len(self.results)} recorded forward reductions")
 
 
+_ACTIVE: contextvars.ContextVar[Optional[ForwardReductions]] = contextvars.ContextVar(
+    "lowrank_forward_reductions", default=None)
+
+
+def active_log() -> Optional[ForwardReductions]:
+    """The log of the checkpointed layer now running (its forward or its recompute), or None
+    outside low-rank checkpointing."""
+    return _ACTIVE.get()
+
+
 @contextlib.contextmanager
-def installed(modules: List[torch.nn.Module], reductions: ForwardReductions):
-    """Set ``forward_reductions`` on ``modules`` for the block; None again afterwards."""
-    for m in modules:
-        m.forward_reductions = reductions
+def _logging(reductions: ForwardReductions):
+    """Make ``reductions`` the active log for the block; the previous one afterwards."""
+    token = _ACTIVE.set(reductions)
     try:
         yield reductions
     finally:
-        for m in modules:
-            m.forward_reductions = None
+        _ACTIVE.reset(token)
 
 
 def _rng_states():
@@ -151,13 +174,13 @@ class _LowRankCheckpoint(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, run_fn, modules, hidden):
-        ctx.run_fn, ctx.modules = run_fn, modules
+    def forward(ctx, run_fn, hidden):
+        ctx.run_fn = run_fn
         ctx.rng = _rng_states()
         # The autograd engine runs backward with an empty torch-function-mode stack; the
         # recompute must see the same modes as the forward (CPU mode is one, docs/design.md §9).
         ctx.modes = torch.overrides._get_current_function_mode_stack()
-        with torch.no_grad(), installed(modules, ForwardReductions()) as record:
+        with torch.no_grad(), _logging(ForwardReductions()) as record:
             out = run_fn(hidden)
         ctx.save_for_backward(hidden, *record.results)
         return out
@@ -172,16 +195,17 @@ class _LowRankCheckpoint(torch.autograd.Function):
             for mode in ctx.modes:
                 modes.enter_context(mode)
             replay = ForwardReductions(recorded)
-            with torch.enable_grad(), installed(ctx.modules, replay):
+            with torch.enable_grad(), _logging(replay):
                 out = ctx.run_fn(hidden)
             replay.check_consumed()
         _set_rng_states(rng)
         torch.autograd.backward(out, grad)
-        return None, None, hidden.grad
+        return None, hidden.grad
 
 
 def lowrank_checkpoint(run_fn: Callable[[torch.Tensor], torch.Tensor],
-                       modules: List[torch.nn.Module], hidden: torch.Tensor) -> torch.Tensor:
-    """``run_fn(hidden)`` checkpointed: only ``hidden`` and the forward reductions of
-    ``modules`` (the layer's bottleneck groups) are kept for the backward."""
-    return _LowRankCheckpoint.apply(run_fn, modules, hidden)
+                       hidden: torch.Tensor) -> torch.Tensor:
+    """``run_fn(hidden)`` checkpointed: only ``hidden`` and the results of the forward
+    all-reduces that run_fn issues through the logged collectives are kept for the
+    backward."""
+    return _LowRankCheckpoint.apply(run_fn, hidden)

@@ -70,7 +70,8 @@ core (half the s×s square), backward = 2 × forward; naive's duplicated work is
 
 The widths (d, f, heads, ranks, parameters per projection) all come from the one
 :class:`~megatron_boost.analysis.shape.ModelShape`, the TP collective widths from
-:func:`~megatron_boost.analysis.comm.tp_comm_widths`. Every hardware number and every
+:func:`~megatron_boost.analysis.comm.tp_comm_widths`, the per-GPU GEMM shapes and parameters
+from the placement table (:func:`~megatron_boost.parallel.placement.local_factor_shapes`). Every hardware number and every
 calibrated efficiency lives in :data:`~megatron_boost.perf.hardware.HARDWARE`; the kernel costs
 in :mod:`megatron_boost.perf.kernels`; the authors' published table in
 :mod:`megatron_boost.perf.published`.
@@ -84,7 +85,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from megatron_boost.analysis.comm import tp_comm_widths
 from megatron_boost.analysis.flops import step_flops
 from megatron_boost.analysis.shape import MODES, ModelShape
-from megatron_boost.config.modes import check_tp_split
+from megatron_boost.config.modes import TPMode, check_tp_split
+from megatron_boost.parallel.placement import local_factor_shapes
 from megatron_boost.perf.hardware import (BYTES_ACT, BYTES_GRAD, BYTES_OPTIM, BYTES_WEIGHT,
                                           CE_BYTES_BWD, CE_BYTES_FWD,
                                           OPTIMIZER_BYTES_PER_PARAM, HardwareSpec)
@@ -180,12 +182,26 @@ def _act(name: str, w: float) -> Elem:  # σ (SiLU) inside a bottleneck
     return Elem(name, 4 * w, 6 * w)
 
 
+def _factor_gemms(shape: ModelShape, mode: TPMode, t: int) -> List[Gemm]:
+    """The forward GEMM of every weight factor on one rank: its local [rows, cols] in the
+    placement table (``parallel/placement.py``) gives N = rows (output width) and K = cols
+    (contraction). Sizes are divided exactly (floats): the model also prices layouts whose
+    sizes the trainer would reject."""
+    kinds = {"W": "dense", "A": "A", "B": "B"}
+    return [Gemm(name, rows, cols, kinds[name[0]]) for name, (rows, cols) in
+            local_factor_shapes(mode, shape.projections(mode), t, divide=lambda n, k: n / k)]
+
+
+def _local_params(gemms: List[Gemm]) -> float:
+    """Projection parameters on one rank: the elements of its local factors."""
+    return sum(g.N * g.K for g in gemms)
+
+
 def _full_work(shape: ModelShape, t: int) -> LayerWork:
     """Megatron TP of the full-rank model: column-parallel qkv / fc1, row-parallel proj / fc2;
     norms and residual adds replicated."""
     d, f, qw, kvw = shape.hidden, shape.ffn, shape.q_width, shape.kv_width
-    gemms = [Gemm("qkv", (qw + 2 * kvw) / t, d, "dense"), Gemm("proj", d, qw / t, "dense"),
-             Gemm("fc1", 2 * f / t, d, "dense"), Gemm("fc2", d, f / t, "dense")]
+    gemms = _factor_gemms(shape, TPMode.FULL, t)
     elems = [_rmsnorm("input_norm", d), Elem("rope", 4 * (qw + kvw) / t, 4 * (qw + kvw) / t),
              _residual("residual_attn", d), _rmsnorm("pre_mlp_norm", d),
              Elem("swiglu", 6 * f / t, 10 * f / t), _residual("residual_mlp", d)]
@@ -197,7 +213,7 @@ def _full_work(shape: ModelShape, t: int) -> LayerWork:
     return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems, coll_fwd=fwd,
                      coll_bwd=bwd, saved=saved, saved_attn_out=attn_out, saved_input=d,
                      saved_lowrank=None,
-                     params=shape.projection_params("full") / t + 2 * d)
+                     params=_local_params(gemms) + 2 * d)
 
 
 def _naive_work(shape: ModelShape, t: int) -> LayerWork:
@@ -205,12 +221,7 @@ def _naive_work(shape: ModelShape, t: int) -> LayerWork:
     all-reduce of its full output; attention, RoPE, SwiGLU and norms replicated (not / t)."""
     d, f, qw, kvw = shape.hidden, shape.ffn, shape.q_width, shape.kv_width
     ra, rm = shape.r_attn, shape.r_mlp
-    gemms = [Gemm("A_qkv", 3 * ra / t, d, "A"), Gemm("B_q", qw, ra / t, "B"),
-             Gemm("B_k", kvw, ra / t, "B"), Gemm("B_v", kvw, ra / t, "B"),
-             Gemm("A_o", ra / t, qw, "A"), Gemm("B_o", d, ra / t, "B"),
-             Gemm("A_gate_up", 2 * rm / t, d, "A"), Gemm("B_gate", f, rm / t, "B"),
-             Gemm("B_up", f, rm / t, "B"), Gemm("A_down", rm / t, f, "A"),
-             Gemm("B_down", d, rm / t, "B")]
+    gemms = _factor_gemms(shape, TPMode.NAIVE, t)
     sig = (4 * ra + 3 * rm) / t
     elems = [_rmsnorm("input_norm", d), _act("sigma_qkv", 3 * ra / t),
              Elem("rope", 4 * (qw + kvw), 4 * (qw + kvw)), _act("sigma_o", ra / t),
@@ -229,7 +240,7 @@ def _naive_work(shape: ModelShape, t: int) -> LayerWork:
     return LayerWork(gemms=gemms, attn_heads=shape.heads, elems=elems, coll_fwd=fwd,
                      coll_bwd=bwd, saved=saved, saved_attn_out=attn_out, saved_input=d,
                      saved_lowrank=saved_lowrank,
-                     params=shape.projection_params("naive") / t + 2 * d)
+                     params=_local_params(gemms) + 2 * d)
 
 
 def _boost_work(shape: ModelShape, t: int) -> LayerWork:
@@ -237,12 +248,7 @@ def _boost_work(shape: ModelShape, t: int) -> LayerWork:
     the r-wide partial product, σ on the replicated r-wide activation, B column-sharded."""
     d, f, qw, kvw = shape.hidden, shape.ffn, shape.q_width, shape.kv_width
     ra, rm = shape.r_attn, shape.r_mlp
-    gemms = [Gemm("A_qkv", 3 * ra, d / t, "A"), Gemm("B_q", qw / t, ra, "B"),
-             Gemm("B_k", kvw / t, ra, "B"), Gemm("B_v", kvw / t, ra, "B"),
-             Gemm("A_o", ra, qw / t, "A"), Gemm("B_o", d / t, ra, "B"),
-             Gemm("A_gate_up", 2 * rm, d / t, "A"), Gemm("B_gate", f / t, rm, "B"),
-             Gemm("B_up", f / t, rm, "B"), Gemm("A_down", rm, f / t, "A"),
-             Gemm("B_down", d / t, rm, "B")]
+    gemms = _factor_gemms(shape, TPMode.BOOST, t)
     sig = 4 * ra + 3 * rm  # σ on the all-reduced, replicated r-wide activations
     elems = [_rmsnorm("online_norm_attn", d / t), _act("sigma_qkv", 3 * ra),
              Elem("rope", 4 * (qw + kvw) / t, 4 * (qw + kvw) / t), _act("sigma_o", ra),
@@ -259,7 +265,7 @@ def _boost_work(shape: ModelShape, t: int) -> LayerWork:
     return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems, coll_fwd=fwd,
                      coll_bwd=bwd, saved=saved, saved_attn_out=attn_out, saved_input=d / t,
                      saved_lowrank=saved_lowrank,
-                     params=shape.projection_params("boost") / t + 2 * d / t)
+                     params=_local_params(gemms) + 2 * d / t)
 
 
 _WORK = {"full": _full_work, "naive": _naive_work, "boost": _boost_work}

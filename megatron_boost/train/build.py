@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional
 
-import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_boost.config.resolved import ResolvedRun, to_transformer_config
@@ -25,6 +24,7 @@ from megatron_boost.train.step import (
     build_ddp_model,
     build_optimizer,
     make_forward_step,
+    on_run_device,
     run_schedule,
 )
 
@@ -85,14 +85,7 @@ def _inference_chunks(run: ResolvedRun, config: BoostTransformerConfig) -> List[
         lambda: build_model(config, run.padded_vocab_size, run.seq_length,
                             pg_collection=run.process_groups,
                             rotary_base=run.cfg.model.rotary_base), config, run.seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if run.device == "cuda" \
-        else torch.device("cpu")
-    chunks = [c.to(device) for c in chunks]
-    if config.bf16:
-        from megatron.core.transformer.module import Float16Module
-
-        chunks = [Float16Module(config, c) for c in chunks]
-    return [c.eval() for c in chunks]
+    return [c.eval() for c in on_run_device(chunks, config, run.device)]
 
 
 def build_run(run: ResolvedRun, *, training: bool = True,
@@ -112,7 +105,7 @@ def build_run(run: ResolvedRun, *, training: bool = True,
         return BuiltRun(run, config, _inference_chunks(run, config), None, None, forward_step)
     par, o = run.cfg.parallel, run.cfg.optimizer
     chunks = build_ddp_model(config, run.padded_vocab_size, run.seq_length, run.seed,
-                             overlap_grad_reduce=par.overlap_grad_reduce,
+                             device=run.device, overlap_grad_reduce=par.overlap_grad_reduce,
                              use_distributed_optimizer=par.use_distributed_optimizer,
                              rotary_base=run.cfg.model.rotary_base,
                              pg_collection=run.process_groups)

@@ -28,7 +28,7 @@ from megatron_boost.train.megatron_fixes import inner_torch_optimizers
 from megatron_boost.train.resilience import StepAgreement, agree_on_step
 
 __all__ = [
-    "initialize_parallel", "build_ddp_model", "build_optimizer", "make_forward_step",
+    "initialize_parallel", "on_run_device", "build_ddp_model", "build_optimizer", "make_forward_step",
     "run_schedule", "train_step", "eval_step",
 ]
 
@@ -46,23 +46,33 @@ def initialize_parallel(tp: int, pp: int, vpp: Optional[int], seed: int,
     return parallel_state.get_data_parallel_world_size()
 
 
+def on_run_device(chunks: List[torch.nn.Module], config: BoostTransformerConfig,
+                  device: str) -> List[torch.nn.Module]:
+    """The chunks on the run's device (``ResolvedRun.device``: 'cuda' is this rank's current
+    CUDA device, anything else the CPU), and for bf16 in megatron's Float16Module, as the
+    trainer runs them: the one device rule of every build (training and inference)."""
+    target = (torch.device("cuda", torch.cuda.current_device()) if device == "cuda"
+              else torch.device("cpu"))
+    chunks = [c.to(target) for c in chunks]
+    if config.bf16:
+        from megatron.core.transformer.module import Float16Module
+        chunks = [Float16Module(config, c) for c in chunks]
+    return chunks
+
+
 def build_ddp_model(config: BoostTransformerConfig, vocab_size: int, seq_length: int,
-                    seed: int, overlap_grad_reduce: bool = False,
+                    seed: int, *, device: str, overlap_grad_reduce: bool = False,
                     use_distributed_optimizer: bool = False,
                     rotary_base: int = 10000,
                     pg_collection=None) -> List[DistributedDataParallel]:
     """Build this rank's model chunks, initialise them layout-independently from ``seed``
-    (each weight drawn once, docs/design.md §8) and wrap each in megatron's DDP (fp32
-    gradient buffers). Entry points call ``train.build.build_run``, which passes the resolved
-    run's values."""
+    (each weight drawn once, docs/design.md §8), place them on ``device``
+    (:func:`on_run_device`) and wrap each in megatron's DDP (fp32 gradient buffers). Entry
+    points call ``train.build.build_run``, which passes the resolved run's values."""
     chunks = build_globally_initialised(
         lambda: build_model(config, vocab_size, seq_length, pg_collection=pg_collection,
                             rotary_base=rotary_base), config, seed)
-    if torch.cuda.is_available():
-        chunks = [c.cuda() for c in chunks]
-    if config.bf16:
-        from megatron.core.transformer.module import Float16Module
-        chunks = [Float16Module(config, c) for c in chunks]
+    chunks = on_run_device(chunks, config, device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer)

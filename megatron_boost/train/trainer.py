@@ -207,8 +207,8 @@ class Trainer:
 
     def _check_inputs(self):
         """Check the dataset files and the checkpoint to resume from (if any) against this
-        model, before anything is written. Returns (checkpoint dir, its saved state) or
-        (None, None)."""
+        model, before anything is written. Returns (checkpoint dir, its saved state, whether
+        only its weights are taken: checkpoint.init_from), or (None, None, False)."""
         validate_data_files(self.data_cfg, self.vocab)
         ck = self.cfg.checkpoint
         ckpt = find_checkpoint(ck.load or self.save_dir)

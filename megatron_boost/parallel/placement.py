@@ -1,0 +1,257 @@
+"""BOOST's sharding, declared once: the placement table (docs/design.md §2, §5).
+
+For every TP mode and every projection group of a decoder layer (qkv, proj, fc1, fc2) the
+table :data:`PLACEMENT` states
+
+* the global shapes of the factors, A: [r, d_in] and B: [d_out, r] (full rank: one dense
+  W: [d_out, d_in] in the place of A, and no B),
+* the axis of each factor split over the TP ranks (None: replicated),
+* the forward and backward collectives of the group with their widths (elements per token),
+* where the input norm and its statistic live (:class:`Norm`).
+
+Everything else reads it: the layers (``model/layers.py``) take their split axes from it, the
+communication formulas (``analysis/comm.py``), the perf model's GEMM shapes and parameters
+(``perf/model.py``) and the per-rank factor shapes (:func:`local_factor_shapes`) their sizes.
+
+Plain Python on purpose, like ``config/modes.py``: the perf model and ``--check`` import it
+without torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from megatron_boost.config.modes import TPMode
+
+__all__ = ["Group", "Dim", "Norm", "Factor", "Collective", "GroupPlacement", "PLACEMENT",
+           "GROUPS", "GROUP_PROJECTIONS", "placement", "group_of_projection", "widths",
+           "collective_widths", "local_factor_shapes", "placement_markdown"]
+
+
+class Group(str, enum.Enum):
+    """A projection group: the projections that read one input (BOOST's "linear layer
+    grouping"), named after megatron's linear slot."""
+
+    QKV = "qkv"
+    PROJ = "proj"
+    FC1 = "fc1"
+    FC2 = "fc2"
+
+    @property
+    def is_column(self) -> bool:
+        """A group reading the residual stream (its norm in front of it)."""
+        return self in (Group.QKV, Group.FC1)
+
+    @property
+    def writes_residual(self) -> bool:
+        """A group whose output is added to the residual stream (megatron's scaled
+        output-layer init applies to it)."""
+        return not self.is_column
+
+    @property
+    def rank_kind(self) -> str:
+        """Which configured rank its bottlenecks use: "attn" or "mlp"."""
+        return "attn" if self in (Group.QKV, Group.PROJ) else "mlp"
+
+
+#: The groups in the order a layer issues them, and their projections in output order.
+GROUPS = (Group.QKV, Group.PROJ, Group.FC1, Group.FC2)
+GROUP_PROJECTIONS: Dict[Group, Tuple[str, ...]] = {
+    Group.QKV: ("q", "k", "v"), Group.PROJ: ("o",), Group.FC1: ("gate", "up"),
+    Group.FC2: ("down",)}
+
+
+class Dim(str, enum.Enum):
+    """A size of a group: its input width, its summed output width, its summed rank."""
+
+    D_IN = "d_in"
+    D_OUT = "d_out"
+    RANK = "r"
+
+
+class Norm(str, enum.Enum):
+    """Where the norm in front of a group runs, and where its statistic rides."""
+
+    NONE = "none"
+    """No norm in front of the group (proj, fc2)."""
+    REPLICATED = "replicated"
+    """megatron's RMSNorm on the replicated stream before the group; no collective."""
+    FUSED = "fused"
+    """online-RMSNorm fused into the group (docs/design.md §3): the fp32 sum of squares rides
+    as one extra column of the group's forward all-reduce when the products are fp32, and has
+    its own fp32 all-reduce of width 1, issued first, otherwise."""
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One weight factor: global shape (rows, cols) in group sizes, and its split axis."""
+
+    rows: Dim
+    cols: Dim
+    split: Optional[int]
+    """The axis sharded over the TP ranks; None: replicated."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One all-reduce of the group, ``width`` elements per token."""
+
+    width: Dim
+    kind: str = "all_reduce"
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """The sharding of one group in one mode."""
+
+    a: Factor
+    """A: [r, d_in] (full rank: the dense W: [d_out, d_in])."""
+    b: Optional[Factor]
+    """B: [d_out, r]; None for a dense projection."""
+    fwd: Tuple[Collective, ...]
+    bwd: Tuple[Collective, ...]
+    norm: Norm
+
+
+_A, _B, _W = (Dim.RANK, Dim.D_IN), (Dim.D_OUT, Dim.RANK), (Dim.D_OUT, Dim.D_IN)
+
+
+def _column_full() -> GroupPlacement:  # megatron's ColumnParallelLinear
+    return GroupPlacement(Factor(*_W, 0), None, (), (Collective(Dim.D_IN),), Norm.REPLICATED)
+
+
+def _row_full() -> GroupPlacement:  # megatron's RowParallelLinear
+    return GroupPlacement(Factor(*_W, 1), None, (Collective(Dim.D_OUT),), (), Norm.NONE)
+
+
+def _naive(norm: Norm) -> GroupPlacement:  # one megatron "MLP" per group
+    return GroupPlacement(Factor(*_A, 0), Factor(*_B, 1), (Collective(Dim.D_OUT),),
+                          (Collective(Dim.D_IN),), norm)
+
+
+def _boost(norm: Norm) -> GroupPlacement:  # BOOST: only the r-wide bottleneck crosses ranks
+    return GroupPlacement(Factor(*_A, 1), Factor(*_B, 0), (Collective(Dim.RANK),),
+                          (Collective(Dim.RANK),), norm)
+
+
+#: THE table: (mode, group) -> placement.
+PLACEMENT: Dict[Tuple[TPMode, Group], GroupPlacement] = {
+    (TPMode.FULL, Group.QKV): _column_full(),
+    (TPMode.FULL, Group.PROJ): _row_full(),
+    (TPMode.FULL, Group.FC1): _column_full(),
+    (TPMode.FULL, Group.FC2): _row_full(),
+    (TPMode.NAIVE, Group.QKV): _naive(Norm.REPLICATED),
+    (TPMode.NAIVE, Group.PROJ): _naive(Norm.NONE),
+    (TPMode.NAIVE, Group.FC1): _naive(Norm.REPLICATED),
+    (TPMode.NAIVE, Group.FC2): _naive(Norm.NONE),
+    (TPMode.BOOST, Group.QKV): _boost(Norm.FUSED),
+    (TPMode.BOOST, Group.PROJ): _boost(Norm.NONE),
+    (TPMode.BOOST, Group.FC1): _boost(Norm.FUSED),
+    (TPMode.BOOST, Group.FC2): _boost(Norm.NONE),
+}
+
+
+def placement(mode, group: Group) -> GroupPlacement:
+    """The table's entry of ``mode`` (a TPMode or its name) and ``group``."""
+    return PLACEMENT[(TPMode.parse(mode), Group(group))]
+
+
+def group_of_projection(name: str) -> Group:
+    """The group a projection (q, k, v, o, gate, up, down) belongs to."""
+    for group, names in GROUP_PROJECTIONS.items():
+        if name in names:
+            return group
+    raise ValueError(f"projection '{name}' is in no group; one of "
+                     f"{[n for names in GROUP_PROJECTIONS.values() for n in names]}")
+
+
+def _group_members(projections: Sequence, group: Group) -> list:
+    """The members of ``group`` among ``projections`` (objects with name, d_in, d_out, rank:
+    ``analysis.shape.Projection``), in output order."""
+    by_name = {p.name: p for p in projections}
+    return [by_name[n] for n in GROUP_PROJECTIONS[group]]
+
+
+def widths(projections: Sequence, group: Group) -> Dict[Dim, int]:
+    """The group's sizes: d_in, Σ d_out and Σ r (0 for dense projections)."""
+    members = _group_members(projections, group)
+    return {Dim.D_IN: members[0].d_in, Dim.D_OUT: sum(p.d_out for p in members),
+            Dim.RANK: sum(p.rank or 0 for p in members)}
+
+
+def collective_widths(mode, projections: Sequence, products_fp32: bool = True
+                      ) -> Tuple[List[int], List[int]]:
+    """(forward, backward) widths of one layer's TP all-reduces, elements per token, in
+    layer order (docs/design.md §5), from the table. A fused norm's statistic adds one column
+    to its group's first forward all-reduce when ``products_fp32``, else is an all-reduce of
+    width 1 of its own issued before it."""
+    fwd: List[int] = []
+    bwd: List[int] = []
+    for group in GROUPS:
+        entry, sizes = placement(mode, group), widths(projections, group)
+        group_fwd = [sizes[c.width] for c in entry.fwd]
+        if entry.norm is Norm.FUSED:
+            if products_fp32:
+                group_fwd[0] += 1
+            else:
+                group_fwd.insert(0, 1)
+        fwd += group_fwd
+        bwd += [sizes[c.width] for c in entry.bwd]
+    return fwd, bwd
+
+
+def _local(factor: Factor, sizes: Dict[Dim, int], tp: int, divide: Callable) -> tuple:
+    shape = [sizes[factor.rows], sizes[factor.cols]]
+    if factor.split is not None:
+        shape[factor.split] = divide(shape[factor.split], tp)
+    return shape[0], shape[1]
+
+
+def local_factor_shapes(mode, projections: Sequence, tp: int,
+                        divide: Callable = operator.floordiv) -> List[Tuple[str, tuple]]:
+    """(name, local [rows, cols]) of every weight factor of one layer on one of ``tp`` ranks:
+    per group the grouped A ``A_<group>`` ([Σ r_p, d_in] split as the table says) and each
+    projection's B ``B_<p>``; full rank: the group's dense W ``W_<group>``. ``projections``
+    are ``analysis.shape.ModelShape.projections(mode)``; ``divide`` splits a sharded size."""
+    out = []
+    for group in GROUPS:
+        entry = placement(mode, group)
+        sizes = widths(projections, group)
+        if entry.b is None:
+            out.append((f"W_{group.value}", _local(entry.a, sizes, tp, divide)))
+            continue
+        out.append((f"A_{group.value}", _local(entry.a, sizes, tp, divide)))
+        for p in _group_members(projections, group):
+            own = {Dim.D_IN: p.d_in, Dim.D_OUT: p.d_out, Dim.RANK: p.rank}
+            out.append((f"B_{p.name}", _local(entry.b, own, tp, divide)))
+    return out
+
+
+def _split_text(factor: Optional[Factor]) -> str:
+    if factor is None:
+        return "—"
+    dims = [factor.rows.value, factor.cols.value]
+    if factor.split is not None:
+        dims[factor.split] += "/t"
+    return f"[{', '.join(dims)}]"
+
+
+def _collectives_text(collectives: Tuple[Collective, ...], norm: Norm) -> str:
+    texts = [c.width.value for c in collectives]
+    if norm is Norm.FUSED:
+        texts[0] += " + 1"
+    return ", ".join(f"AR({t})" for t in texts) or "—"
+
+
+def placement_markdown() -> str:
+    """The table as docs/design.md §2 shows it (tests/test_design_doc.py checks it)."""
+    lines = ["| mode | group | A (W) local | B local | forward | backward | norm |",
+             "|---|---|---|---|---|---|---|"]
+    for (mode, group), e in PLACEMENT.items():
+        lines.append(f"| {mode.value} | {group.value} | {_split_text(e.a)} | "
+                     f"{_split_text(e.b)} | {_collectives_text(e.fwd, e.norm)} | "
+                     f"{_collectives_text(e.bwd, Norm.NONE)} | {e.norm.value} |")
+    return "\n".join(lines)

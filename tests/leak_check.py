@@ -1,0 +1,107 @@
+"""No process outlives the test session (docs/testing.md).
+
+At the end of a pytest session (a single process's, or each pytest-xdist worker's: the workers
+run the tests) the session's rank pool is closed, then every process this one started, directly
+or not, must end within :data:`GRACE_S`. Those still running are named in one ``error:`` line
+each, killed, and the session fails. The process's own multiprocessing resource tracker ends
+with it and is not counted; an exited child not yet reaped (a zombie) does not run.
+
+conftest.py takes the hook from here; a pytest run of any other test directory can load it with
+``-p tests.leak_check`` (tests/test_rank_pool.py leaks a process tree on purpose that way).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import List
+
+import psutil
+import pytest
+
+#: How long the processes left at the end of a session get to finish (tests/test_leak_check.py
+#: shortens it for its own sessions through the environment).
+GRACE_S = float(os.environ.get("LEAK_CHECK_GRACE_S", "10"))
+
+
+def _own_resource_tracker() -> int:
+    from multiprocessing import resource_tracker
+
+    return getattr(resource_tracker._resource_tracker, "_pid", None) or -1
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def outliving_processes(grace_s: float = GRACE_S) -> List[psutil.Process]:
+    """This process's descendants still running after ``grace_s``, but its resource tracker."""
+    me, tracker = psutil.Process(), _own_resource_tracker()
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [p for p in me.children(recursive=True) if p.pid != tracker and _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} ({' '.join(proc.cmdline())[:160]})"
+    except psutil.Error:
+        return str(proc.pid)
+
+
+def _is_xdist_controller(config) -> bool:
+    return getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+
+
+#: In an xdist controller: what the workers reported (pytest_testnodedown).
+_REPORTED_BY_WORKERS: List[str] = []
+
+
+def _end_leftovers() -> List[str]:
+    """Close the rank pool, then describe and kill this process's descendants still running."""
+    pool = sys.modules.get("tests.rank_pool")
+    if pool is not None:
+        pool.close_pool()
+    left = outliving_processes()
+    described = [_describe(proc) for proc in left]
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=5)
+    return described
+
+
+def pytest_testnodedown(node, error):
+    """xdist controller: collect the leftovers a worker reported (a worker's own session
+    status and output do not reach the run's)."""
+    _REPORTED_BY_WORKERS.extend(getattr(node, "workeroutput", {}).get("leaked_processes", []))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session if any process it started still runs once the rank pool is closed."""
+    config = session.config
+    if _is_xdist_controller(config):
+        left = list(_REPORTED_BY_WORKERS)  # the workers, which run the tests, checked theirs
+    else:
+        left = _end_leftovers()
+        if hasattr(config, "workeroutput"):
+            config.workeroutput["leaked_processes"] = left  # sent to the controller
+    if not left:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    write = reporter.write_line if reporter is not None else (
+        lambda line: print(line, file=sys.stderr))
+    for described in left:
+        write(f"error: process {described} outlived the test session; the test that started "
+              f"it must end it (it is killed now)")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
