@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's pre-emption signals
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # the trainer's pre-emption signals
 
 
 @pytest.fixture(scope="session")
