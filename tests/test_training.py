@@ -116,6 +116,14 @@ def test_end_to_end_metrics_and_checkpoint(base):
         assert r["mfu"] is None  # CPU: no peak known
         assert r["tp_comm_bytes"] > 0  # TP=2: the bottleneck all-reduces were recorded
         assert r["grad_norm"] > 0
+    # elapsed and ETA: in every record and console line, and in the summary; none left at the end
+    assert all(a["elapsed_s"] < b["elapsed_s"] for a, b in zip(recs, recs[1:]))
+    assert all(r["eta_s"] > 0 for r in recs[:-1]) and recs[-1]["eta_s"] == 0
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("iter ")]
+    assert len(lines) == 6 and all(" | elapsed " in line and " | ETA " in line for line in lines)
+    assert lines[-1].endswith(" | ETA 0s"), lines[-1]
+    assert any(line.startswith("done: ") and "training loop " in line
+               for line in proc.stdout.splitlines()), proc.stdout[-2000:]
     evals = [r for r in recs if "val_loss" in r]
     assert [r["iteration"] for r in evals] == [3, 6]
     for r in evals:
@@ -261,6 +269,22 @@ def test_sigusr1_saves_checkpoint_exits_cleanly_and_resumes(tmp_path):
 # ------------------------------------------------------------------------------------------
 # pieces (in-process, fast)
 # ------------------------------------------------------------------------------------------
+
+
+def test_eta_extrapolates_the_mean_step_time_or_the_token_rate():
+    from megatron_boost.train.metrics import Progress, format_duration
+
+    # resumed at iteration 10 (1,280 tokens), 100 iterations: 5 steps in 20 s -> 4 s a step
+    by_steps = Progress(start_s=100.0, start_iteration=10, start_tokens=1280, train_iters=100)
+    assert by_steps.eta_s(100.0, 10, 1280) is None  # nothing measured yet
+    assert by_steps.elapsed_s(120.0) == 20.0
+    assert by_steps.eta_s(120.0, 15, 1920) == pytest.approx(85 * 4.0)
+    # a token budget of 10,000: 640 tokens in 20 s -> 32 tok/s for the 8,080 left
+    by_tokens = Progress(100.0, 10, 1280, train_iters=79, train_tokens=10_000)
+    assert by_tokens.eta_s(120.0, 15, 1920) == pytest.approx(8080 / 32)
+    assert by_tokens.eta_s(130.0, 79, 10_112) == 0  # the last step overshoots the budget
+    assert [format_duration(x) for x in (None, 44.6, 725, 11_220, 187_200)] == \
+        ["n/a", "45s", "12m05s", "3h07m", "2d04h"]
 
 
 def test_sampler_continues_and_reshards_by_data_parallel_rank():

@@ -8,8 +8,9 @@ TensorBoard.
 collectives per step, forward and backward, from the formula; docs/design.md §5; with
 ``logging.measure_comm`` also ``tp_comm_bytes_measured``, recorded around that step),
 ``peak_mem_bytes``,
-``step_time_s``, ``skipped_steps`` (non-finite steps skipped in the window); evaluations
-add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on resume the records after the
+``step_time_s``, ``skipped_steps`` (non-finite steps skipped in the window), ``elapsed_s``
+(wall time since this launch's training loop started) and ``eta_s`` (the estimated time to
+the end of the budget, :class:`Progress`); evaluations add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on resume the records after the
 resumed iteration are dropped, so the file is one trajectory.
 """
 
@@ -26,8 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LogWindow", "MetricsWriter", "peak_memory_bytes", "format_log_line",
-           "format_validation_line", "validation_perplexity"]
+__all__ = ["LogWindow", "MetricsWriter", "Progress", "peak_memory_bytes", "format_log_line",
+           "format_validation_line", "validation_perplexity", "format_duration"]
 
 
 @dataclass
@@ -66,6 +67,46 @@ class LogWindow:
         self.__init__()
 
 
+@dataclass
+class Progress:
+    """Elapsed time and ETA of this launch. The ETA extrapolates the mean measured since the
+    loop started (so saves and evaluations are in it, as they will be in the rest of the run):
+    the remaining iterations times the mean step time, or, when a token budget sets the
+    run's length (``training.train_tokens``), the remaining tokens over the mean token rate."""
+
+    start_s: float  # time.perf_counter() when the loop started
+    start_iteration: int
+    start_tokens: int
+    train_iters: int
+    train_tokens: Optional[int] = None  # the budget when it is given in tokens
+
+    def elapsed_s(self, now: float) -> float:
+        return now - self.start_s
+
+    def eta_s(self, now: float, iteration: int, tokens: int) -> Optional[float]:
+        """Seconds to the end of the budget; None before a step of this launch was measured."""
+        elapsed = self.elapsed_s(now)
+        if self.train_tokens is not None:
+            done, remaining = tokens - self.start_tokens, max(0, self.train_tokens - tokens)
+        else:
+            done, remaining = iteration - self.start_iteration, self.train_iters - iteration
+        return remaining * elapsed / done if done > 0 and elapsed > 0 else None
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """``45s``, ``12m05s``, ``3h07m``, ``2d04h``: the precision a person reads at a glance."""
+    if seconds is None:
+        return "n/a"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def validation_perplexity(val_loss: Optional[float]) -> Optional[float]:
     return math.exp(min(val_loss, 700.0)) if val_loss is not None else None  # no overflow
 
@@ -99,7 +140,8 @@ def format_log_line(record: dict, train_iters: int) -> str:
             f"{_fmt(record['grad_norm'], '.3f')} | {record['tokens_per_s']:,.0f} tok/s | "
             f"{record['tflops']:.3g} TFLOP/s/dev | MFU {mfu} | "
             f"tp_comm {_fmt_bytes(record['tp_comm_bytes'])}/step | peak mem "
-            f"{_fmt_bytes(record['peak_mem_bytes'])}")
+            f"{_fmt_bytes(record['peak_mem_bytes'])} | elapsed "
+            f"{format_duration(record['elapsed_s'])} | ETA {format_duration(record['eta_s'])}")
 
 
 def format_validation_line(record: dict, seconds: float) -> str:

@@ -16,7 +16,7 @@ Run directory (``logging.run_dir``): ``metrics.jsonl`` and ``tensorboard/``
 (``train/metrics.py``), ``checkpoints/`` (default ``checkpoint.save``; a run resumes from the
 checkpoint named there, or from ``checkpoint.load``; a new run may start from the weights of
 ``checkpoint.init_from``) and ``config.yaml``, the resolved
-configuration. Pre-emption (SIGTERM, SIGUSR1; ``train/preemption.py``): all ranks agree at the
+configuration. Pre-emption (SIGTERM, SIGUSR1, SIGINT; ``train/preemption.py``): all ranks agree at the
 next step boundary, save, print ``pre-emption signal received, checkpoint saved at iteration
 N`` and exit with status 0.
 """
@@ -64,6 +64,8 @@ from megatron_boost.train.distributed import init_distributed, print0
 from megatron_boost.train.metrics import (
     LogWindow,
     MetricsWriter,
+    Progress,
+    format_duration,
     format_log_line,
     format_validation_line,
     peak_memory_bytes,
@@ -269,6 +271,9 @@ class Trainer:
     def train(self) -> int:
         """Train until ``train_iters``; returns the exit status."""
         start = self.state.iteration
+        self.progress = Progress(time.perf_counter(), start,
+                                 self.state.consumed_samples * self.cfg.model.seq_length,
+                                 self.train_iters, self.cfg.training.train_tokens)
         if start >= self.train_iters:
             print0(f"nothing to do: the checkpoint is at iteration {start} >= "
                    f"{self.train_iters} training iterations")
@@ -407,7 +412,13 @@ class Trainer:
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "step_time_s": self.window.step_time_s(),
             "skipped_steps": self.window.skipped,
+            **self._progress_fields(),
         }
+
+    def _progress_fields(self) -> dict:
+        now, tokens = time.perf_counter(), self.state.consumed_samples * self.cfg.model.seq_length
+        return {"elapsed_s": self.progress.elapsed_s(now),
+                "eta_s": self.progress.eta_s(now, self.state.iteration, tokens)}
 
     def evaluate_and_record(self, record: dict) -> str:
         """Validation loss and perplexity into ``record``; returns the console line."""
@@ -455,8 +466,10 @@ class Trainer:
 
     def print_summary(self) -> None:
         s, seq = self.state, self.cfg.model.seq_length
+        seconds = time.perf_counter() - self.t_start
         line = (f"done: {s.iteration} iterations, {s.consumed_samples * seq:,} tokens in "
-                f"{time.perf_counter() - self.t_start:.1f}s")
+                f"{seconds:.1f}s ({format_duration(seconds)}, training loop "
+                f"{format_duration(self.progress.elapsed_s(time.perf_counter()))})")
         if self.last_validation is not None:
             it, val_loss, val_ppl = self.last_validation
             line += (f" | final validation (iteration {it}): val_loss {val_loss:.4f}, "
