@@ -1,5 +1,5 @@
-"""What a run reports: the log-window accumulator, the console lines, metrics.jsonl and
-TensorBoard.
+"""What a run reports: the log-window accumulator, the console lines, metrics.jsonl,
+TensorBoard and Weights & Biases.
 
 ``metrics.jsonl`` has one JSON object per logged iteration: ``iteration``, ``tokens``
 (consumed), ``loss`` (mean training loss over the log window), ``lr``, ``grad_norm``,
@@ -11,7 +11,8 @@ collectives per step, forward and backward, from the formula; docs/design.md §5
 ``step_time_s``, ``skipped_steps`` (non-finite steps skipped in the window), ``elapsed_s``
 (wall time since this launch's training loop started) and ``eta_s`` (the estimated time to
 the end of the budget, :class:`Progress`); evaluations add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on resume the records after the
-resumed iteration are dropped, so the file is one trajectory.
+resumed iteration are dropped, so the file is one trajectory. TensorBoard and W&B get the same
+numeric fields as scalars at step ``iteration``; W&B also the resolved configuration.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LogWindow", "MetricsWriter", "Progress", "peak_memory_bytes", "format_log_line",
+__all__ = ["LogWindow", "MetricsWriter", "WandbRun", "Progress", "peak_memory_bytes", "format_log_line",
            "format_validation_line", "validation_perplexity", "format_duration"]
 
 
@@ -150,12 +151,15 @@ def format_validation_line(record: dict, seconds: float) -> str:
 
 
 class MetricsWriter:
-    """metrics.jsonl (+ optional TensorBoard) on global rank 0."""
+    """metrics.jsonl (+ optional TensorBoard and W&B) on global rank 0. ``wandb``: the run's
+    ``logging.wandb`` section and its resolved configuration (a dict), or None."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, resume_iteration: int):
+    def __init__(self, run_dir: Path, tensorboard: bool, resume_iteration: int,
+                 wandb=None):
         self.enabled = not dist.is_initialized() or dist.get_rank() == 0
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
+        self.wandb = None
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,6 +167,8 @@ class MetricsWriter:
             self._truncate_after(resume_iteration)
         if tensorboard:
             self.tb = _summary_writer(run_dir / "tensorboard")
+        if wandb is not None and wandb[0].project is not None:
+            self.wandb = WandbRun(wandb[0], wandb[1], run_dir, resume_iteration)
 
     def _truncate_after(self, iteration: int) -> None:
         """Keep only what precedes the resumed iteration: one trajectory per file."""
@@ -181,16 +187,69 @@ class MetricsWriter:
             return
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = _scalars(record)
         if self.tb is not None:
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) \
-                        and not isinstance(value, bool):
-                    self.tb.add_scalar(key, value, record["iteration"])
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, record["iteration"])
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, record["iteration"])
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
+
+
+def _scalars(record: dict) -> dict:
+    """The numeric fields of a metrics record but its iteration (the step they are logged at)."""
+    return {key: value for key, value in record.items()
+            if key != "iteration" and isinstance(value, (int, float))
+            and not isinstance(value, bool)}
+
+
+#: The file in the run directory that keeps the W&B run id, so a resume continues that run.
+WANDB_ID_FILE = "wandb_run_id"
+
+
+class WandbRun:
+    """One W&B run for a training run, continued across resumes: a fresh start (iteration 0)
+    makes a new run id and keeps it in ``<run_dir>/wandb_run_id``; a resume reads it back and
+    continues that run (``resume="allow"``). Records re-logged after a resume went back to
+    an earlier checkpoint are at steps W&B has already seen: online, W&B keeps the first.
+    wandb's own console output is off (one line here says where the run goes); its
+    background service is shut down on close."""
+
+    def __init__(self, cfg, config: dict, run_dir: Path, resume_iteration: int):
+        import wandb
+
+        id_file = run_dir / WANDB_ID_FILE
+        if resume_iteration > 0 and id_file.exists():
+            run_id = id_file.read_text().strip()
+        else:
+            import secrets
+
+            run_id = secrets.token_hex(4)  # W&B's own ids are 8 characters too
+            id_file.write_text(run_id + "\n")
+        files = Path(cfg.dir or run_dir)
+        files.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=cfg.project, name=cfg.name or run_dir.resolve().name,
+                              dir=str(files), mode=cfg.mode, id=run_id, resume="allow",
+                              config=config,
+                              settings=wandb.Settings(silent=True, console="off"))
+        print(f"W&B: run {run_id} of project {cfg.project} ({cfg.mode}; files under "
+              f"{files / 'wandb'})", flush=True)
+
+    def log(self, scalars: dict, iteration: int) -> None:
+        self.run.log(scalars, step=iteration)
+
+    def close(self) -> None:
+        import wandb
+
+        self.run.finish()
+        wandb.teardown()  # stops wandb's background service: nothing outlives the run
 
 
 def _summary_writer(log_dir: Path):

@@ -166,6 +166,15 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(
                 yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
 
+    def _resolved_config(self) -> dict:
+        """The configuration and what this launch resolved it to (for experiment tracking)."""
+        return {**dataclasses.asdict(self.cfg),
+                "resolved": {"device": self.device, "precision": self.run.precision,
+                             "attention_backend": self.run.attention_backend,
+                             "vocab_size": self.vocab, "padded_vocab_size": self.padded_vocab,
+                             "train_iters": self.train_iters, "dp": self.dp,
+                             "world_size": dist.get_world_size()}}
+
     def _build_model(self) -> None:
         """Resolve the run for this process (device, precision, attention, the tokenizer's
         padded vocabulary, process groups) and build it with the one builder."""
@@ -255,7 +264,8 @@ class Trainer:
         self.train_iterators = self._iterators(self.train_ds, self.state.consumed_samples, None,
                                                self.data_cfg.num_workers)
         self.metrics = MetricsWriter(self.run_dir, self.cfg.logging.tensorboard,
-                                     self.state.iteration)
+                                     self.state.iteration,
+                                     wandb=(self.cfg.logging.wandb, self._resolved_config()))
 
     def _iterators(self, dataset, start: int, stop: Optional[int], num_workers: int) -> list:
         # Each virtual pipeline chunk draws the same micro-batches from its own iterator.
