@@ -58,14 +58,36 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_launch(cfg) -> None:
+def check_launch(cfg) -> Optional[int]:
     """What can be checked without process groups: the dataset files against the tokenizer
-    (the configuration itself was validated when it was loaded)."""
+    (the configuration itself was validated when it was loaded). Returns the tokenizer's
+    vocabulary, when the run reads one."""
     from megatron_boost.data.datasets import build_tokenizer
     from megatron_boost.data.validation import validate_data_files
 
     if cfg.data.tokenizer_model and not cfg.data.mock:
-        validate_data_files(cfg.data, int(build_tokenizer(cfg.data).vocab_size))
+        vocab = int(build_tokenizer(cfg.data).vocab_size)
+        validate_data_files(cfg.data, vocab)
+        return vocab
+    return None
+
+
+def check_passed_line(cfg, world_size: int, vocab: Optional[int]) -> str:
+    """The line a passed check ends with: the layout, the parameter count (the formula of
+    analysis/shape.py, unpadded vocabulary) and the budget."""
+    import dataclasses
+
+    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.validation import budget_line
+
+    par, m = cfg.parallel, cfg.model
+    model = dataclasses.replace(m, vocab_size=vocab) if vocab else m
+    params = ModelShape.from_config(model).model_params(par.mode != "full")
+    dp = world_size // (par.tp * par.pp)
+    return (f"check passed: {world_size} processes = tp {par.tp} x pp {par.pp} x dp {dp} "
+            f"(mode {par.mode}) | {params / 1e6:,.2f}M parameters ({m.num_layers} layers, "
+            f"d={m.hidden_size}, vocabulary {vocab or m.vocab_size}) | "
+            f"{budget_line(cfg).removeprefix('budget: ')}")
 
 
 def select_device(requested: str) -> str:
@@ -117,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
         cfg = load_run_config(args.config, args.overrides, world_size=world_size)
         if args.check:
-            check_launch(cfg)
+            print(check_passed_line(cfg, world_size, check_launch(cfg)), flush=True)
             return 0
         if int(os.environ.get("RANK", "0")) == 0:
             from megatron_boost.config.validation import budget_line
