@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Train on this machine: torchrun with <nproc> processes (GPUs, or CPU processes with gloo).
+# Train on this machine: <nproc> processes (GPUs, or CPU processes with gloo), through the
+# project's launcher (megatron_boost/cli/launch.py, installed as megatron-boost-train).
 #
 #   scripts/run_local.sh <nproc> <config.yaml> [section.key=value ...]
 #   scripts/run_local.sh 2 configs/debug.yaml parallel.tp=2
+#   NNODES=2 NODE_RANK=K RDZV_ENDPOINT=HOST0:29500 scripts/run_local.sh 8 cfg.yaml  # per node
 #
-# Run it from the repository root: relative paths in the configs (data/..., runs/...) are
-# relative to the current directory. Uses the repository's .venv when no virtual environment is
-# active (create it with scripts/setup_env.sh). torchrun --standalone picks a free rendezvous
-# port, so several local runs can coexist. Extra torchrun options: TORCHRUN_ARGS="...".
+# It validates the run first (a bad input: one `error:` line, exit status 2, nothing started),
+# reports a rank's error in one line, and makes Ctrl-C / SIGTERM a pre-emption: the ranks save at
+# the next step and it exits 0 (a second Ctrl-C stops at once, exit status 130). Relative paths
+# in the configs (data/..., runs/...) are relative to the current directory. Uses the
+# repository's .venv when no virtual environment is active (create it with
+# scripts/setup_env.sh). One node: torchrun --standalone picks a free rendezvous port, so
+# several local runs can coexist.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 if [ $# -lt 2 ]; then
@@ -27,10 +32,10 @@ if [ ! -f "$CONFIG" ]; then
 fi
 # shellcheck source=scripts/launch_env.sh
 . "$ROOT/scripts/launch_env.sh"
-# Validate first, in one process: a bad input ends in the trainer's one error line (exit 2)
-# instead of torchrun's failure report.
-python -W ignore "$ROOT/pretrain_lowrank.py" --check --world-size "$NPROC" --config "$CONFIG" "$@" \
-    || exit $?
-# shellcheck disable=SC2086
-exec torchrun --standalone --nproc_per_node="$NPROC" ${TORCHRUN_ARGS:-} \
-    "$ROOT/pretrain_lowrank.py" --config "$CONFIG" "$@"
+NODES=()
+if [ -n "${NNODES:-}" ]; then
+    NODES=(--nnodes "$NNODES" --node-rank "${NODE_RANK:-0}")
+    [ -n "${RDZV_ENDPOINT:-}" ] && NODES+=(--rdzv-endpoint "$RDZV_ENDPOINT")
+fi
+exec python -W ignore -m megatron_boost.cli.launch --nproc-per-node "$NPROC" "${NODES[@]}" \
+    --config "$CONFIG" "$@"

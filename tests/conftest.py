@@ -11,7 +11,7 @@ import pytest
 from tests.leak_check import pytest_sessionfinish, pytest_testnodedown  # noqa: F401  (hooks)
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's pre-emption signals
+_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # the trainer's pre-emption signals
 
 
 @pytest.fixture(scope="session")

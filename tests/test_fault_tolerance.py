@@ -18,6 +18,11 @@ reference, the relaunches, the non-finite run) run the entry point in the rank p
   ``parallel.timeout_minutes=0.1`` the job ends within a bounded time, naming the rank. The
   hung rank is stuck in communication (``TestHooks.maybe_hang``), so it ends when the rank that
   found it stops, not after torchrun's 30 s SIGTERM-to-SIGKILL grace.
+* Pre-emption under the README's launcher (``scripts/run_local.sh``, ``cli/launch.py``):
+  SIGINT (Ctrl-C: to the launcher's whole process group, as a terminal sends it) and SIGTERM,
+  sent while the checkpoint of iteration 2 is being written, stop the run at the next step
+  boundary (3) with a checkpoint there and exit status 0; the same command relaunched gives
+  the uninterrupted run's losses bit for bit. A rank's fault under the launcher is one line.
 * Asynchronous save: the same losses as the synchronous reference, every checkpoint committed;
   every save logs the seconds it blocked training (sync vs async printed with ``-s``). The
   asynchronous run checked is the relaunch of the asynchronous kill-during-save case (one run
@@ -40,7 +45,7 @@ from typing import Optional
 import pytest
 
 from tests.test_bad_input import error_messages
-from tests.test_training import ROOT, _cmd, _env, losses, metrics, run_training
+from tests.test_training import DEBUG, ROOT, _cmd, _env, losses, metrics, run_training
 
 TIMEOUT = 300
 ITERS = 8
@@ -56,14 +61,19 @@ class Launch:
     sessions (torchrun starts each rank in its own) are killed when the job ends; the test's
     own session never is."""
 
-    def __init__(self, run_dir: Path, extra=(), env_extra=None):
+    def __init__(self, run_dir: Path, extra=(), env_extra=None, launcher: bool = False):
+        """``launcher``: the README's launch command (scripts/run_local.sh), in a session of
+        its own, as a terminal's foreground job is (a signal to its group reaches the launcher
+        only; each rank leads its own session); else bare torchrun."""
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log = run_dir.parent / f"{run_dir.name}-{time.time_ns()}.log"
         env = dict(_env(), **(env_extra or {}))
+        overrides = COMMON + [f"logging.run_dir={run_dir}", *extra]
+        cmd = [str(ROOT / "scripts" / "run_local.sh"), "2", str(DEBUG), *overrides] \
+            if launcher else _cmd(2, overrides)
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                _cmd(2, COMMON + [f"logging.run_dir={run_dir}", *extra]), cwd=ROOT, env=env,
-                stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=launcher)
         self.sessions = set()
 
     def workers(self) -> list:
@@ -328,15 +338,16 @@ def test_the_end_of_a_job_spares_the_tests_own_session():
 
 
 def test_consecutive_nonfinite_steps_stop_the_run(tmp_path):
+    """Under the launcher: every rank decides alike, and the launcher prints the first failing
+    rank's line once, with the fault's exit status 1 (no line per rank, no torchrun report)."""
     run_dir = tmp_path / "run"
     job = Launch(run_dir, ["training.max_skipped_steps=2"],
-                 {"MEGATRON_BOOST_TEST_NAN_AT": "3-100:0"})
+                 {"MEGATRON_BOOST_TEST_NAN_AT": "3-100:0"}, launcher=True)
     out = job.finish()
-    assert job.proc.returncode != 0, out[-3000:]
-    # every rank decides alike and prints it, ranks other than 0 naming themselves
-    messages = error_messages(out.splitlines())
-    assert len(messages) == 1, out[-3000:]
-    assert "iteration 4" in min(messages) and "max_skipped_steps" in min(messages), out[-3000:]
+    assert job.proc.returncode == 1, out[-3000:]
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: "), out[-3000:]
+    assert "iteration 4" in errors[0] and "max_skipped_steps" in errors[0], out[-3000:]
     saved = sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*"))
     assert saved == ["iter_0000002"], saved
     assert (run_dir / "checkpoints" / TRACKER).read_text().strip() == "2"
@@ -357,6 +368,45 @@ def test_unresponsive_rank_ends_the_job_in_bounded_time(tmp_path):
     lines = [l for l in out.splitlines() if l.startswith("error: rank 1 did not respond")]
     assert lines and "timeout_minutes" in lines[0], out[-3000:]
     print(f"hung rank detected after {elapsed:.1f}s of wall time (timeout 6 s)")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_to_the_launcher_saves_exits_0_and_resumes_exactly(reference, tmp_path, signum):
+    run_dir = tmp_path / "run"
+    # the signal comes while iteration 2's checkpoint is being written (the save sleeps 3 s):
+    # the ranks agree on it in step 3's all-reduce and stop at that boundary, deterministically
+    job = Launch(run_dir, env_extra={"MEGATRON_BOOST_TEST_SAVE_SLEEP": "3"}, launcher=True)
+    _wait_for(lambda: _temp_dir_exists(run_dir) and len(job.workers()) == 2, job,
+              "the first checkpoint write")
+    os.killpg(job.proc.pid, signum)  # Ctrl-C: the terminal signals the foreground group
+    out = job.finish()
+    assert job.proc.returncode == 0, out[-3000:]  # the status the README states
+    name = signal.Signals(signum).name
+    assert f"checkpoint saved at iteration 3 ({name}; exiting with status 0)" in out, out[-3000:]
+    assert "Traceback" not in out and "error" not in out.lower(), out[-3000:]
+    assert (run_dir / "checkpoints" / TRACKER).read_text().strip() == "3"
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+    _run(run_dir)  # the same command again: resumes at 3 and runs to the end
+    assert losses(run_dir) == reference
+
+
+def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
+    """Ctrl-C twice: the launcher stops the ranks at once (the first Ctrl-C's save is cut),
+    prints one line and exits 130; the last complete checkpoint stays in force."""
+    run_dir = tmp_path / "run"
+    job = Launch(run_dir, env_extra={"MEGATRON_BOOST_TEST_SAVE_SLEEP": "30"}, launcher=True)
+    _wait_for(lambda: _temp_dir_exists(run_dir) and len(job.workers()) == 2, job,
+              "the first checkpoint write")
+    os.killpg(job.proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    out = job.finish(timeout=60)
+    assert job.proc.returncode == 130, out[-3000:]
+    errors = [line for line in out.splitlines() if "error" in line.lower()]
+    assert errors == ["error: interrupted again: stopped at once without saving; the same "
+                      "command resumes from the last complete checkpoint"], out[-3000:]
+    # not even the save in progress finished (it sleeps 30 s before its commit)
+    assert not (run_dir / "checkpoints" / TRACKER).exists()
 
 
 def _stalls(out: str) -> list:

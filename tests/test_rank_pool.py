@@ -34,7 +34,7 @@ def test_a_pool_run_is_the_run_torchrun_launches(tmp_path):
         assert (a["grad_norm"], a["lr"]) == (b["grad_norm"], b["lr"])
 
     def steady(text):  # the lines, without the columns that depend on timing or the host
-        timed = ("tok/s", "TFLOP/s", "MFU", "peak mem")
+        timed = ("tok/s", "TFLOP/s", "MFU", "peak mem", "elapsed", "ETA")
         return [" | ".join(re.sub(r" \(\d+(\.\d+)?s\)$", "", field)
                            for field in line.split(" | ") if not any(t in field for t in timed))
                 for line in text.splitlines()

@@ -2,8 +2,12 @@
 is taken from README.md, in order, and run as one script from the repository root on a small synthetic
 corpus (the page's settings block reads CORPUS, WORK, VOCAB and ITERS from the environment).
 So the page cannot drift from the code: a renamed flag, a changed default or a broken step
-fails here. corpus → tokenizer → preprocess → config (--check) → train at TP=2 → resume →
-export → sample → lm-eval → import → train from the import.
+fails here. corpus → tokenizer → preprocess → config (--check) → train at TP=2 (the
+launcher, scripts/run_local.sh) → summary and curves → resume → export → sample → lm-eval →
+import → train from the import. Also from the page: its launch command with a typo prints one
+`error:` line and the exit status the troubleshooting section states; its set-up installs the
+extras its commands need and ends with its success line; it mentions the tools, the launcher,
+TensorBoard and W&B, and where to run from.
 """
 
 from __future__ import annotations
@@ -31,11 +35,94 @@ def doc_commands() -> list[str]:
 
 def test_the_page_has_its_steps():
     blocks = doc_commands()
-    assert len(blocks) == 8, "a tested block lost its marker or its ```bash fence"
+    assert len(blocks) == 9, "a tested block lost its marker or its ```bash fence"
     joined = "\n".join(blocks)
-    for step in ("train_tokenizer.py", "preprocess_data.py", "--check", "torchrun",
-                 "export_hf.py", "lm_eval", "import_hf.py", "imported/train.yaml"):
+    for step in ("train_tokenizer.py", "preprocess_data.py", "--check", "scripts/run_local.sh",
+                 "summarize_run.py", "plot_runs.py", "export_hf.py", "lm_eval", "import_hf.py",
+                 "imported/train.yaml"):
         assert step in joined, step
+
+
+def launch_command() -> str:
+    """The page's training command: the first tested line that starts the launcher."""
+    return next(line for block in doc_commands() for line in block.splitlines()
+                if line.startswith("scripts/run_local.sh "))
+
+
+def test_the_launch_command_with_a_typo_is_one_error_line_and_the_stated_status(tmp_path):
+    text = DOC.read_text()
+    stated = re.search(r"\*\*`error: \.\.\.` and exit status (\d+)\*\*", text)
+    assert stated, "the troubleshooting section no longer states the error's exit status"
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "run.yaml").write_text((REPO / "configs" / "debug.yaml").read_text())
+    env = dict(os.environ, WORK=str(work), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "-c", launch_command() + " training.train_iter=5"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == int(stated.group(1)), (proc.returncode, proc.stderr[-3000:])
+    assert proc.stdout == "", proc.stdout
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: unknown key 'train_iter' in section 'training'")
+
+
+#: The extra each command of the page needs (pyproject.toml's optional dependencies).
+EXTRA_OF = {"lm_eval ": "eval", "tools/export_hf.py": "convert", "tools/generate.py": "convert",
+            "tools/import_hf.py": "convert", "tools/plot_runs.py": "plot"}
+
+
+def test_the_set_up_installs_what_the_commands_use():
+    setup = re.search(r"^EXTRAS=(\S+) scripts/setup_env\.sh", DOC.read_text(), re.M)
+    assert setup, "the page's set-up command lost its EXTRAS"
+    installed = set(setup.group(1).split(","))
+    joined = "\n".join(doc_commands())
+    needed = {extra for command, extra in EXTRA_OF.items() if command in joined}
+    assert needed and needed <= installed, (needed, installed)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    for extra in installed | {"wandb"}:
+        assert re.search(rf"^{extra} = \[", pyproject, re.M), extra
+
+
+def test_the_set_up_ends_with_its_success_line(tmp_path):
+    """An environment that is up to date: setup_env.sh installs nothing and says so, with
+    what it holds (a venv of links to this environment's interpreter and packages)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    real = Path(sys.prefix)
+    (venv / "bin" / "python").symlink_to(Path(sys.executable).resolve())
+    (venv / "lib").symlink_to(real / "lib")
+    (venv / "pyvenv.cfg").write_text((real / "pyvenv.cfg").read_text())
+    (venv / "bin" / "activate").write_text(f"export VIRTUAL_ENV={venv}\n"
+                                           f"export PATH={real / 'bin'}:$PATH\n")
+    digest = subprocess.run("cat pyproject.toml requirements.txt | sha1sum | cut -c1-40",
+                            shell=True, cwd=REPO, capture_output=True, text=True,
+                            timeout=60).stdout.strip()
+    (venv / ".megatron-boost-installed").write_text(f"{digest}-any-any\nconvert,plot\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MCORE", "TORCH")}
+    proc = subprocess.run([str(REPO / "scripts" / "setup_env.sh"), "--cpu"], cwd=REPO,
+                          env=dict(env, VENV=str(venv), EXTRAS="plot"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import megatron.core
+    import torch
+
+    assert proc.stdout.splitlines()[-1] == (
+        f"setup_env.sh: up to date, nothing installed: {venv} (Python "
+        f"{sys.version.split()[0]}, torch {torch.__version__}, megatron-core "
+        f"{megatron.core.__version__}, megatron-boost 0.1.0; extras: convert,plot); enter it "
+        f"with: . {venv}/bin/activate"), proc.stdout
+
+
+def test_the_page_mentions_what_exists():
+    text = " ".join(DOC.read_text().split())
+    for mention in ("tools/summarize_run.py", "tools/plot_runs.py", "scripts/run_local.sh",
+                    "megatron-boost-train", "logging.tensorboard: true", "<run_dir>/tensorboard",
+                    "logging.wandb:", "Run them from the repository root",
+                    "relative to the directory a command runs in"):
+        assert mention in text, mention
+    for path in ("tools/summarize_run.py", "tools/plot_runs.py", "scripts/run_local.sh"):
+        assert (REPO / path).is_file(), path
+    assert 'megatron-boost-train = "megatron_boost.cli.launch:main"' in \
+        (REPO / "pyproject.toml").read_text()
 
 
 def test_the_own_corpus_walk_through_runs_as_written(tmp_path):
@@ -57,6 +144,9 @@ def test_the_own_corpus_walk_through_runs_as_written(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     work = tmp_path / "work"
+    assert "check passed: 2 processes = tp 2 x pp 1 x dp 1 (mode boost) | " in out, out[-3000:]
+    assert re.search(r"^summary: 6 iterations, .* \| training time ", out, re.M), out[-3000:]
+    assert (work / "curves.png").is_file()
     assert f"resumed from {work}/run/checkpoints" in out and "at iteration 6 (" in out, out[-3000:]
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").open()]
     assert max(r["iteration"] for r in records) == 9  # ITERS + ITERS / 2

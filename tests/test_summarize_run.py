@@ -62,6 +62,17 @@ def test_summary_without_validation(tmp_path, capsys):
     ]
 
 
+def test_summary_names_the_training_time_of_every_launch(tmp_path, capsys):
+    """Windows of 10 steps at 0.5 s, then (a resumed launch) 5 at 2 s and 5 at 1 s: 20 s."""
+    records = [dict(train_record(it, 5.0, 100.0), step_time_s=t)
+               for it, t in ((10, 0.5), (15, 2.0), (20, 1.0))]
+    assert main([write_run(tmp_path / "r", records)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "summary: 20 iterations, 40,960 tokens | final train loss 5.0000 | "
+        "mean throughput 100 tokens/s | training time 20.0s"
+    ]
+
+
 def test_table(run, tmp_path, capsys):
     other = write_run(tmp_path / "run-full", [train_record(30, 4.0, 1500.0)])
     assert main(["--table", run, other, "--labels", "boost", "full"]) == 0

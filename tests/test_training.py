@@ -117,6 +117,14 @@ def test_end_to_end_metrics_and_checkpoint(base):
         assert r["mfu"] is None  # CPU: no peak known
         assert r["tp_comm_bytes"] > 0  # TP=2: the bottleneck all-reduces were recorded
         assert r["grad_norm"] > 0
+    # elapsed and ETA: in every record and console line, and in the summary; none left at the end
+    assert all(a["elapsed_s"] < b["elapsed_s"] for a, b in zip(recs, recs[1:]))
+    assert all(r["eta_s"] > 0 for r in recs[:-1]) and recs[-1]["eta_s"] == 0
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("iter ")]
+    assert len(lines) == 6 and all(" | elapsed " in line and " | ETA " in line for line in lines)
+    assert lines[-1].endswith(" | ETA 0s"), lines[-1]
+    assert any(line.startswith("done: ") and "training loop " in line
+               for line in proc.stdout.splitlines()), proc.stdout[-2000:]
     evals = [r for r in recs if "val_loss" in r]
     assert [r["iteration"] for r in evals] == [3, 6]
     for r in evals:
@@ -323,8 +331,121 @@ def test_sigusr1_saves_checkpoint_exits_cleanly_and_resumes(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------
+# (f) Weights & Biases, offline
+# ------------------------------------------------------------------------------------------
+
+
+def wandb_records(run_file: Path) -> list:
+    """The records of a W&B run file (``run-<id>.wandb``): LevelDB's log format (32 KiB
+    blocks; each chunk a 7-byte header of CRC, length and type: 1 full, 2 first, 3 middle,
+    4 last) after a 7-byte file header, each record a ``wandb_internal_pb2.Record``."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, pending, records = run_file.read_bytes(), 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_history(run_file: Path) -> dict:
+    """{step: {key: value}} of the metrics logged to a W&B run file."""
+    history = {}
+    for record in wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            items = {i.key or ".".join(i.nested_key): json.loads(i.value_json)
+                     for i in record.history.item}
+            history[items.pop("_step")] = {k: v for k, v in items.items()
+                                           if not k.startswith("_")}
+    return history
+
+
+def test_wandb_offline_logs_the_metrics_and_a_resume_continues_the_run(tmp_path):
+    import psutil
+
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    run_dir = tmp_path / "run"
+    env = {"WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+           "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
+           "WANDB_DATA_DIR": str(tmp_path / "wandb-data")}
+    common = ["parallel.tp=2", "checkpoint.save_interval=2", "training.eval_interval=1000",
+              "logging.log_interval=1", f"logging.run_dir={run_dir}",
+              "logging.wandb.project=mb-test", "logging.wandb.mode=offline"]
+    first = run_training(2, [*common, "training.train_iters=4"], env_extra=env)
+    run_training(2, [*common, "training.train_iters=6"], env_extra=env)
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    assert f"W&B: run {run_id} of project mb-test (offline" in first.stdout
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+    first_run, resumed = (wandb_history(r / f"run-{run_id}.wandb") for r in runs)
+    assert sorted(first_run) == [1, 2, 3, 4] and sorted(resumed) == [5, 6]
+    # the same scalars as metrics.jsonl (and TensorBoard), from one rank
+    for rec in metrics(run_dir):
+        logged = {**first_run, **resumed}[rec["iteration"]]
+        assert logged["loss"] == rec["loss"] and logged["lr"] == rec["lr"]
+        assert set(logged) == {k for k, v in rec.items() if k != "iteration"
+                               and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    # the resolved configuration: the run record of the first file carries it
+    run_record = next(r.run for r in wandb_records(runs[0] / f"run-{run_id}.wandb")
+                      if r.WhichOneof("record_type") == "run")
+    config = {i.key or ".".join(i.nested_key): json.loads(i.value_json)
+              for i in run_record.config.update}
+    assert config["parallel"]["tp"] == 2 and config["resolved"]["device"] == "cpu", config
+    # wandb's background service ended with each run
+    left = [p for p in psutil.Process().children(recursive=True) if "wandb" in p.name()]
+    assert not left, left
+
+
+def test_wandb_missing_is_one_line_before_anything_starts(tmp_path):
+    """Without the package, the launch check names the key and the extra (the package is
+    hidden: a None in sys.modules is what importlib finds for a module that is absent)."""
+    env = dict(_env(), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c",
+                           "import sys; sys.modules['wandb'] = None; "
+                           "from megatron_boost.cli.pretrain import main; "
+                           "raise SystemExit(main(sys.argv[1:]))",
+                           "--check", "--config", DEBUG, "logging.wandb.project=p",
+                           f"logging.run_dir={tmp_path / 'run'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: logging.wandb.project is 'p' but wandb is not installed; install the wandb "
+        "extra (pip install wandb, or EXTRAS=wandb scripts/setup_env.sh), or set "
+        "logging.wandb.project=null"], proc.stderr
+
+
+# ------------------------------------------------------------------------------------------
 # pieces (in-process, fast)
 # ------------------------------------------------------------------------------------------
+
+
+def test_eta_extrapolates_the_mean_step_time_or_the_token_rate():
+    from megatron_boost.train.metrics import Progress, format_duration
+
+    # resumed at iteration 10 (1,280 tokens), 100 iterations: 5 steps in 20 s -> 4 s a step
+    by_steps = Progress(start_s=100.0, start_iteration=10, start_tokens=1280, train_iters=100)
+    assert by_steps.eta_s(100.0, 10, 1280) is None  # nothing measured yet
+    assert by_steps.elapsed_s(120.0) == 20.0
+    assert by_steps.eta_s(120.0, 15, 1920) == pytest.approx(85 * 4.0)
+    # a token budget of 10,000: 640 tokens in 20 s -> 32 tok/s for the 8,080 left
+    by_tokens = Progress(100.0, 10, 1280, train_iters=79, train_tokens=10_000)
+    assert by_tokens.eta_s(120.0, 15, 1920) == pytest.approx(8080 / 32)
+    assert by_tokens.eta_s(130.0, 79, 10_112) == 0  # the last step overshoots the budget
+    assert [format_duration(x) for x in (None, 44.6, 725, 11_220, 187_200)] == \
+        ["n/a", "45s", "12m05s", "3h07m", "2d04h"]
 
 
 def test_sampler_continues_and_reshards_by_data_parallel_rank():

@@ -166,6 +166,10 @@ class ModelShape:
         """Parameters of one decoder layer: the projections and two RMSNorm weights."""
         return self.projection_params("boost" if lowrank else "full") + 2 * self.hidden
 
+    def model_params(self, lowrank: bool) -> int:
+        """Parameters of the whole model: every layer, the embedding, head and final norm."""
+        return self.num_layers * self.layer_params(lowrank) + self.embedding_params()
+
     def embedding_params(self) -> int:
         """Input embedding, LM head (unless tied) and the final norm; always full rank."""
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden

@@ -8,18 +8,24 @@ import sys
 import warnings
 from typing import Callable, Optional, Sequence
 
-__all__ = ["USAGE_ERROR_EXIT_CODE", "print_error", "one_line_errors", "run_reporting_errors"]
+__all__ = ["USAGE_ERROR_EXIT_CODE", "error_line", "print_error", "one_line_errors",
+           "run_reporting_errors"]
 
 #: Exit status for usage / configuration / input errors (argparse uses the same).
 USAGE_ERROR_EXIT_CODE = 2
 
 
-def print_error(err: BaseException, rank: Optional[int] = None) -> None:
-    """``error: <message>`` on stderr, the message on one line; ``error: rank N: <message>``
-    when a rank of a multi-process launch reports its own error."""
+def error_line(err: BaseException, rank: Optional[int] = None) -> str:
+    """``error: <message>``, the message on one line; ``error: rank N: <message>`` when a rank
+    of a multi-process launch reports its own error."""
     msg = " ".join(str(err).split()) or type(err).__name__
     where = "" if rank is None else f"rank {rank}: "
-    print(f"error: {where}{msg}", file=sys.stderr, flush=True)
+    return f"error: {where}{msg}"
+
+
+def print_error(err: BaseException, rank: Optional[int] = None) -> None:
+    """:func:`error_line` on stderr."""
+    print(error_line(err, rank), file=sys.stderr, flush=True)
 
 
 def one_line_errors(main: Callable[[Optional[Sequence[str]]], int]):

@@ -11,14 +11,18 @@ status 1 (``MBOOST_TRACEBACK=1`` shows the traceback). Any other error during tr
 ``ValueError`` included, is not a usage error: it ends in its traceback (status 1). Every
 rank prints the error it raised, a rank other than 0 naming itself (``error: rank 1: ...``):
 torchrun ends the other ranks as soon as one exits, so a line left to rank 0 alone could be
-lost when another rank got there first.
+lost when another rank got there first. Under the project's launcher (``cli/launch.py``,
+which sets ``MBOOST_ERRORS_TO_LAUNCHER``) a rank writes that line to torchrun's per-rank error
+file instead, and the launcher prints the first failing rank's line, once.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from typing import List, Optional
 
 from megatron_boost.cli.arg_types import positive_int
@@ -54,14 +58,36 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_launch(cfg) -> None:
+def check_launch(cfg) -> Optional[int]:
     """What can be checked without process groups: the dataset files against the tokenizer
-    (the configuration itself was validated when it was loaded)."""
+    (the configuration itself was validated when it was loaded). Returns the tokenizer's
+    vocabulary, when the run reads one."""
     from megatron_boost.data.datasets import build_tokenizer
     from megatron_boost.data.validation import validate_data_files
 
     if cfg.data.tokenizer_model and not cfg.data.mock:
-        validate_data_files(cfg.data, int(build_tokenizer(cfg.data).vocab_size))
+        vocab = int(build_tokenizer(cfg.data).vocab_size)
+        validate_data_files(cfg.data, vocab)
+        return vocab
+    return None
+
+
+def check_passed_line(cfg, world_size: int, vocab: Optional[int]) -> str:
+    """The line a passed check ends with: the layout, the parameter count (the formula of
+    analysis/shape.py, unpadded vocabulary) and the budget."""
+    import dataclasses
+
+    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.validation import budget_line
+
+    par, m = cfg.parallel, cfg.model
+    model = dataclasses.replace(m, vocab_size=vocab) if vocab else m
+    params = ModelShape.from_config(model).model_params(par.mode != "full")
+    dp = world_size // (par.tp * par.pp)
+    return (f"check passed: {world_size} processes = tp {par.tp} x pp {par.pp} x dp {dp} "
+            f"(mode {par.mode}) | {params / 1e6:,.2f}M parameters ({m.num_layers} layers, "
+            f"d={m.hidden_size}, vocabulary {vocab or m.vocab_size}) | "
+            f"{budget_line(cfg).removeprefix('budget: ')}")
 
 
 def select_device(requested: str) -> str:
@@ -81,12 +107,26 @@ def select_device(requested: str) -> str:
     return device
 
 
+#: Set by the launcher (cli/launch.py): ranks hand their error line to it through torchrun's
+#: per-rank error file (``TORCHELASTIC_ERROR_FILE``) rather than print it.
+ERRORS_TO_LAUNCHER_ENV = "MBOOST_ERRORS_TO_LAUNCHER"
+
+
 def _print_error(err: Exception) -> None:
     """One ``error:`` line from each rank that raised, a rank other than 0 with its rank. A
     configuration error or a divergence is the same on every rank, but whichever rank exits
     first makes torchrun end the others, possibly before rank 0 has printed: each rank's own
-    line is what is sure to reach the log."""
+    line is what is sure to reach the log. Under the launcher the line goes to the rank's
+    error file, which torchrun hands to the launcher with the rank's failure."""
     rank = int(os.environ.get("RANK", "0"))
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if os.environ.get(ERRORS_TO_LAUNCHER_ENV) and error_file:
+        from megatron_boost.cli.errors import error_line
+
+        line = error_line(err, rank=None if rank == 0 else rank)
+        with open(error_file, "w") as f:  # torchrun's ProcessFailure reads message, timestamp
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+        return
     print_error(err, rank=None if rank == 0 else rank)
 
 
@@ -108,7 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
         cfg = load_run_config(args.config, args.overrides, world_size=world_size)
         if args.check:
-            check_launch(cfg)
+            print(check_passed_line(cfg, world_size, check_launch(cfg)), flush=True)
             return 0
         if int(os.environ.get("RANK", "0")) == 0:
             from megatron_boost.config.validation import budget_line
@@ -126,6 +166,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         _print_error(err)
         return CONFIG_ERROR_EXIT_CODE if isinstance(err, ValueError) else FAULT_EXIT_CODE
+    except KeyboardInterrupt:  # Ctrl-C before the trainer caught it (start-up): nothing saved
+        from megatron_boost.train.preemption import INTERRUPT_EXIT_CODE
+
+        if int(os.environ.get("RANK", "0")) == 0 and not os.environ.get(ERRORS_TO_LAUNCHER_ENV):
+            print("error: interrupted before training started; nothing was saved",
+                  file=sys.stderr, flush=True)
+        return INTERRUPT_EXIT_CODE
     finally:
         # Groups exist only if the training modules were imported (a --check never imports them,
         # nor megatron-core: it stays quick on a login node).

@@ -7,7 +7,8 @@
 (or ``python tools/summarize_run.py`` with the same arguments)
 
 Without ``--table``: two ``summary:`` lines per run (iterations, tokens, final training loss,
-mean throughput; first and last validation perplexity). With ``--table``: one row per run
+mean throughput, training time when the records time their steps; first and last validation
+perplexity). With ``--table``: one row per run
 (iterations, final loss, last validation loss and perplexity, mean tokens/s and TFLOP/s per
 device, TP communication per step). Records are those the trainer writes
 (``megatron_boost/train/metrics.py``): training records carry ``loss``, evaluation records
@@ -88,13 +89,25 @@ def mean_of(records: list[dict], key: str) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def training_seconds(train: list[dict]) -> float | None:
+    """Time spent in training steps, over every launch of the run: each record's mean step
+    time times the steps of its log window (None when the records do not time their steps)."""
+    if not all("step_time_s" in r for r in train):
+        return None
+    iterations = [0] + [r["iteration"] for r in train]
+    return sum(r["step_time_s"] * (it - before)
+               for r, before, it in zip(train, iterations, iterations[1:]))
+
+
 def summary_lines(run_dir: str, valid_set: str) -> list[str]:
     """The two ``summary:`` lines of one run (the second only when it was validated)."""
     train, evals = split_records(run_dir)
     last = train[-1]
+    seconds = training_seconds(train)
     lines = [
         f"summary: {last['iteration']} iterations, {last['tokens']:,} tokens | final train loss "
         f"{last['loss']:.4f} | mean throughput {mean_of(train, 'tokens_per_s'):,.0f} tokens/s"
+        + ("" if seconds is None else f" | training time {seconds:,.1f}s")
     ]
     if evals:
         first, final = evals[0], evals[-1]

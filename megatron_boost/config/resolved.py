@@ -147,22 +147,27 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
         process_groups=process_groups)
 
 
-def resolved_config_yaml(run: ResolvedRun) -> str:
-    """The run file of the run as it ran (the trainer's ``<run_dir>/config.yaml``): the
-    configuration with every value resolved for this process written in its key
+def resolved_config(run: ResolvedRun) -> dict:
+    """The configuration with every value resolved for this process written in its key
     (``model.vocab_size``: the tokenizer's; ``training.device``, ``training.precision``,
-    ``model.attention_backend``: as used, not ``auto``), so it reproduces the run alone; a
-    comment above records the padded vocabulary and why that attention backend."""
+    ``model.attention_backend``: as used, not ``auto``), as a plain dict."""
     cfg = copy.deepcopy(run.cfg)
     cfg.model.vocab_size = run.vocab_size
     cfg.model.attention_backend = run.attention_backend
     cfg.training.device = run.device
     cfg.training.precision = run.precision
+    return dataclasses.asdict(cfg)
+
+
+def resolved_config_yaml(run: ResolvedRun) -> str:
+    """The run file of the run as it ran (the trainer's ``<run_dir>/config.yaml``):
+    :func:`resolved_config`, so it reproduces the run alone; a comment above records the
+    padded vocabulary and why that attention backend."""
     header = (f"# The resolved run: vocabulary {run.vocab_size} (padded to "
-              f"{run.padded_vocab_size} rows for tp={cfg.parallel.tp}), device {run.device}, "
+              f"{run.padded_vocab_size} rows for tp={run.cfg.parallel.tp}), device {run.device}, "
               f"precision {run.precision}, attention {run.attention_backend} "
               f"({run.attention_reason}).\n")
-    return header + yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+    return header + yaml.safe_dump(resolved_config(run), sort_keys=False)
 
 
 def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:

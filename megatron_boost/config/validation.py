@@ -107,6 +107,11 @@ def lr_decay_iterations(cfg) -> int:
     return decay if decay is not None else train_iterations(cfg)
 
 
+#: logging.wandb.mode values: offline writes the run under its dir (``wandb sync`` uploads
+#: it), online streams it to the W&B server (``WANDB_API_KEY`` or ``wandb login``).
+WANDB_MODES = ("offline", "online")
+
+
 def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     """Check every run-level rule once. ``world_size``: the number of launched processes; None
     (a config read by a tool, whose data need not exist here) skips the launch rules."""
@@ -115,6 +120,7 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_layout(cfg)
     _check_modes(cfg)
     _check_bottlenecks(cfg)
+    _check_wandb(cfg)
     if world_size is None:
         _check_tp_split(cfg)
         return
@@ -124,6 +130,7 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_budget(cfg)
     _check_intervals(cfg)
     _check_paths(cfg)
+    _check_wandb_installed(cfg)
 
 
 def _value(cfg, dotted: str):
@@ -144,6 +151,28 @@ def _check_positive(cfg) -> None:
     for dotted in _UNIT_INTERVAL:
         if not 0 <= _value(cfg, dotted) < 1:
             raise ValueError(f"{dotted} ({_value(cfg, dotted)}) must be in [0, 1)")
+
+
+def _check_wandb(cfg) -> None:
+    w = cfg.logging.wandb
+    if w.mode not in WANDB_MODES:
+        raise ValueError(f"logging.wandb.mode '{w.mode}' must be one of {list(WANDB_MODES)}; "
+                         f"to log nothing to W&B, leave logging.wandb.project null")
+    if w.project is not None and not str(w.project).strip():
+        raise ValueError("logging.wandb.project is empty; name a W&B project, or null to log "
+                         "nothing to W&B")
+
+
+def _check_wandb_installed(cfg) -> None:
+    """A launch that asks for W&B logging needs the optional wandb package (found, not
+    imported: a check stays quick)."""
+    import importlib.util
+
+    project = cfg.logging.wandb.project
+    if project is not None and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"logging.wandb.project is '{project}' but wandb is not installed; "
+                         f"install the wandb extra (pip install wandb, or EXTRAS=wandb "
+                         f"scripts/setup_env.sh), or set logging.wandb.project=null")
 
 
 def _check_one_budget(cfg) -> None:

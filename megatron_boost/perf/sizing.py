@@ -38,9 +38,7 @@ def sizing_configs(config_dir: Path) -> List[Path]:
 
 
 def _params(cfg) -> int:
-    shape = ModelShape.from_config(cfg.model)
-    lowrank = cfg.parallel.mode != "full"
-    return shape.num_layers * shape.layer_params(lowrank) + shape.embedding_params()
+    return ModelShape.from_config(cfg.model).model_params(cfg.parallel.mode != "full")
 
 
 def _row(path: Path, root: Path) -> Dict:

@@ -1,5 +1,5 @@
-"""What a run reports: the log-window accumulator, the console lines, metrics.jsonl and
-TensorBoard.
+"""What a run reports: the log-window accumulator, the console lines, metrics.jsonl,
+TensorBoard and Weights & Biases.
 
 ``metrics.jsonl`` has one JSON object per logged iteration: ``iteration``, ``tokens``
 (consumed), ``loss`` (mean training loss over the log window), ``lr``, ``grad_norm``,
@@ -8,9 +8,11 @@ TensorBoard.
 collectives per step, forward and backward, from the formula; docs/design.md §5; with
 ``logging.measure_comm`` also ``tp_comm_bytes_measured``, recorded around that step),
 ``peak_mem_bytes``,
-``step_time_s``, ``skipped_steps`` (non-finite steps skipped in the window); evaluations
-add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on resume the records after the
-resumed iteration are dropped, so the file is one trajectory.
+``step_time_s``, ``skipped_steps`` (non-finite steps skipped in the window), ``elapsed_s``
+(wall time since this launch's training loop started) and ``eta_s`` (the estimated time to
+the end of the budget, :class:`Progress`); evaluations add ``val_loss`` and ``val_ppl``. Global rank 0 writes it; on resume the records after the
+resumed iteration are dropped, so the file is one trajectory. TensorBoard and W&B get the same
+numeric fields as scalars at step ``iteration``; W&B also the resolved configuration.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["LogWindow", "MetricsWriter", "peak_memory_bytes", "format_log_line",
-           "format_validation_line", "validation_perplexity"]
+__all__ = ["LogWindow", "MetricsWriter", "WandbRun", "Progress", "peak_memory_bytes", "format_log_line",
+           "format_validation_line", "validation_perplexity", "format_duration"]
 
 
 @dataclass
@@ -66,6 +68,46 @@ class LogWindow:
         self.__init__()
 
 
+@dataclass
+class Progress:
+    """Elapsed time and ETA of this launch. The ETA extrapolates the mean measured since the
+    loop started (so saves and evaluations are in it, as they will be in the rest of the run):
+    the remaining iterations times the mean step time, or, when a token budget sets the
+    run's length (``training.train_tokens``), the remaining tokens over the mean token rate."""
+
+    start_s: float  # time.perf_counter() when the loop started
+    start_iteration: int
+    start_tokens: int
+    train_iters: int
+    train_tokens: Optional[int] = None  # the budget when it is given in tokens
+
+    def elapsed_s(self, now: float) -> float:
+        return now - self.start_s
+
+    def eta_s(self, now: float, iteration: int, tokens: int) -> Optional[float]:
+        """Seconds to the end of the budget; None before a step of this launch was measured."""
+        elapsed = self.elapsed_s(now)
+        if self.train_tokens is not None:
+            done, remaining = tokens - self.start_tokens, max(0, self.train_tokens - tokens)
+        else:
+            done, remaining = iteration - self.start_iteration, self.train_iters - iteration
+        return remaining * elapsed / done if done > 0 and elapsed > 0 else None
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """``45s``, ``12m05s``, ``3h07m``, ``2d04h``: the precision a person reads at a glance."""
+    if seconds is None:
+        return "n/a"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 def validation_perplexity(val_loss: Optional[float]) -> Optional[float]:
     return math.exp(min(val_loss, 700.0)) if val_loss is not None else None  # no overflow
 
@@ -99,7 +141,8 @@ def format_log_line(record: dict, train_iters: int) -> str:
             f"{_fmt(record['grad_norm'], '.3f')} | {record['tokens_per_s']:,.0f} tok/s | "
             f"{record['tflops']:.3g} TFLOP/s/dev | MFU {mfu} | "
             f"tp_comm {_fmt_bytes(record['tp_comm_bytes'])}/step | peak mem "
-            f"{_fmt_bytes(record['peak_mem_bytes'])}")
+            f"{_fmt_bytes(record['peak_mem_bytes'])} | elapsed "
+            f"{format_duration(record['elapsed_s'])} | ETA {format_duration(record['eta_s'])}")
 
 
 def format_validation_line(record: dict, seconds: float) -> str:
@@ -108,12 +151,15 @@ def format_validation_line(record: dict, seconds: float) -> str:
 
 
 class MetricsWriter:
-    """metrics.jsonl (+ optional TensorBoard) on global rank 0."""
+    """metrics.jsonl (+ optional TensorBoard and W&B) on global rank 0. ``wandb``: the run's
+    ``logging.wandb`` section and its resolved configuration (a dict), or None."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, resume_iteration: int):
+    def __init__(self, run_dir: Path, tensorboard: bool, resume_iteration: int,
+                 wandb=None):
         self.enabled = not dist.is_initialized() or dist.get_rank() == 0
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
+        self.wandb = None
         if not self.enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +167,8 @@ class MetricsWriter:
             self._truncate_after(resume_iteration)
         if tensorboard:
             self.tb = _summary_writer(run_dir / "tensorboard")
+        if wandb is not None and wandb[0].project is not None:
+            self.wandb = WandbRun(wandb[0], wandb[1], run_dir, resume_iteration)
 
     def _truncate_after(self, iteration: int) -> None:
         """Keep only what precedes the resumed iteration: one trajectory per file."""
@@ -139,16 +187,69 @@ class MetricsWriter:
             return
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = _scalars(record)
         if self.tb is not None:
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) \
-                        and not isinstance(value, bool):
-                    self.tb.add_scalar(key, value, record["iteration"])
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, record["iteration"])
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, record["iteration"])
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
+
+
+def _scalars(record: dict) -> dict:
+    """The numeric fields of a metrics record but its iteration (the step they are logged at)."""
+    return {key: value for key, value in record.items()
+            if key != "iteration" and isinstance(value, (int, float))
+            and not isinstance(value, bool)}
+
+
+#: The file in the run directory that keeps the W&B run id, so a resume continues that run.
+WANDB_ID_FILE = "wandb_run_id"
+
+
+class WandbRun:
+    """One W&B run for a training run, continued across resumes: a fresh start (iteration 0)
+    makes a new run id and keeps it in ``<run_dir>/wandb_run_id``; a resume reads it back and
+    continues that run (``resume="allow"``). Records re-logged after a resume went back to
+    an earlier checkpoint are at steps W&B has already seen: online, W&B keeps the first.
+    wandb's own console output is off (one line here says where the run goes); its
+    background service is shut down on close."""
+
+    def __init__(self, cfg, config: dict, run_dir: Path, resume_iteration: int):
+        import wandb
+
+        id_file = run_dir / WANDB_ID_FILE
+        if resume_iteration > 0 and id_file.exists():
+            run_id = id_file.read_text().strip()
+        else:
+            import secrets
+
+            run_id = secrets.token_hex(4)  # W&B's own ids are 8 characters too
+            id_file.write_text(run_id + "\n")
+        files = Path(cfg.dir or run_dir)
+        files.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=cfg.project, name=cfg.name or run_dir.resolve().name,
+                              dir=str(files), mode=cfg.mode, id=run_id, resume="allow",
+                              config=config,
+                              settings=wandb.Settings(silent=True, console="off"))
+        print(f"W&B: run {run_id} of project {cfg.project} ({cfg.mode}; files under "
+              f"{files / 'wandb'})", flush=True)
+
+    def log(self, scalars: dict, iteration: int) -> None:
+        self.run.log(scalars, step=iteration)
+
+    def close(self) -> None:
+        import wandb
+
+        self.run.finish()
+        wandb.teardown()  # stops wandb's background service: nothing outlives the run
 
 
 def _summary_writer(log_dir: Path):

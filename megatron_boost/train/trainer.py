@@ -18,7 +18,7 @@ Run directory (``logging.run_dir``): ``metrics.jsonl`` and ``tensorboard/``
 checkpoint named there, or from ``checkpoint.load``; a new run may start from the weights of
 ``checkpoint.init_from``) and ``config.yaml``, the resolved run
 (``config.resolved.resolved_config_yaml``: the vocabulary, device, precision and attention
-backend as used). Pre-emption (SIGTERM, SIGUSR1; ``train/preemption.py``): all ranks agree at the
+backend as used). Pre-emption (SIGTERM, SIGUSR1, SIGINT; ``train/preemption.py``): all ranks agree at the
 next step boundary, save, print ``pre-emption signal received, checkpoint saved at iteration
 N`` and exit with status 0.
 """
@@ -46,7 +46,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from megatron_boost.analysis.comm import StepCommShape, step_comm_bytes
 from megatron_boost.analysis.flops import flops_per_token, peak_tflops
 from megatron_boost.analysis.shape import ModelShape
-from megatron_boost.config.resolved import resolve_run, resolved_config_yaml
+from megatron_boost.config.resolved import resolve_run, resolved_config, resolved_config_yaml
 from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.data.validation import validate_data_files
@@ -65,6 +65,8 @@ from megatron_boost.train.distributed import init_distributed, print0
 from megatron_boost.train.metrics import (
     LogWindow,
     MetricsWriter,
+    Progress,
+    format_duration,
     format_log_line,
     format_validation_line,
     peak_memory_bytes,
@@ -173,6 +175,14 @@ class Trainer:
             Path(self.save_dir).mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(resolved_config_yaml(self.run))
 
+    def _resolved_config(self) -> dict:
+        """The resolved run (``config.yaml``'s content) and this launch's layout, for
+        experiment tracking."""
+        return {**resolved_config(self.run),
+                "resolved": {"padded_vocab_size": self.padded_vocab,
+                             "train_iters": self.train_iters, "dp": self.dp,
+                             "world_size": dist.get_world_size()}}
+
     def _build_model(self) -> None:
         """Resolve the run for this process (device, precision, attention, the tokenizer's
         padded vocabulary, process groups) and build it with the one builder."""
@@ -262,7 +272,8 @@ class Trainer:
         self.train_iterators = self._iterators(self.train_ds, self.state.consumed_samples, None,
                                                self.data_cfg.num_workers)
         self.metrics = MetricsWriter(self.run_dir, self.cfg.logging.tensorboard,
-                                     self.state.iteration)
+                                     self.state.iteration,
+                                     wandb=(self.cfg.logging.wandb, self._resolved_config()))
 
     def _iterators(self, dataset, start: int, stop: Optional[int], num_workers: int) -> list:
         # Each virtual pipeline chunk draws the same micro-batches from its own iterator.
@@ -278,6 +289,9 @@ class Trainer:
     def train(self) -> int:
         """Train until ``train_iters``; returns the exit status."""
         start = self.state.iteration
+        self.progress = Progress(time.perf_counter(), start,
+                                 self.state.consumed_samples * self.cfg.model.seq_length,
+                                 self.train_iters, self.cfg.training.train_tokens)
         if start >= self.train_iters:
             print0(f"nothing to do: the checkpoint is at iteration {start} >= "
                    f"{self.train_iters} training iterations")
@@ -426,7 +440,13 @@ class Trainer:
             "peak_mem_bytes": peak_memory_bytes(self.device),
             "step_time_s": self.window.step_time_s(),
             "skipped_steps": self.window.skipped,
+            **self._progress_fields(),
         }
+
+    def _progress_fields(self) -> dict:
+        now, tokens = time.perf_counter(), self.state.consumed_samples * self.cfg.model.seq_length
+        return {"elapsed_s": self.progress.elapsed_s(now),
+                "eta_s": self.progress.eta_s(now, self.state.iteration, tokens)}
 
     def evaluate_and_record(self, record: dict) -> str:
         """Validation loss and perplexity into ``record``; returns the console line."""
@@ -474,8 +494,10 @@ class Trainer:
 
     def print_summary(self) -> None:
         s, seq = self.state, self.cfg.model.seq_length
+        seconds = time.perf_counter() - self.t_start
         line = (f"done: {s.iteration} iterations, {s.consumed_samples * seq:,} tokens in "
-                f"{time.perf_counter() - self.t_start:.1f}s")
+                f"{seconds:.1f}s ({format_duration(seconds)}, training loop "
+                f"{format_duration(self.progress.elapsed_s(time.perf_counter()))})")
         if self.last_validation is not None:
             it, val_loss, val_ppl = self.last_validation
             line += (f" | final validation (iteration {it}): val_loss {val_loss:.4f}, "
