@@ -1,6 +1,6 @@
-"""argparse ``type=`` checks for the tools' numeric arguments and mode lists: a value out of range is refused
-while the command line is parsed, before anything is loaded, with argparse's one ``error:``
-line (exit status 2) naming the argument, the value and the rule."""
+"""argparse ``type=`` checks for the tools' numeric arguments, mode lists and sizes: a value out
+of range is refused while the command line is parsed, before anything is loaded, with
+argparse's one ``error:`` line (exit status 2) naming the argument, the value and the rule."""
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", default="configs/debug.yaml", help="YAML run configuration")
     parser.add_argument("--tp", type=positive_int, default=2,
                         help="tensor-parallel size (processes)")
-    parser.add_argument("--modes", type=mode_list, default="full,naive,boost", help="comma-separated modes")
+    parser.add_argument("--modes", type=mode_list, default="full,naive,boost",
+                        help="comma-separated modes")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser.parse_args(argv)
 

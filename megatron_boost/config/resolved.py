@@ -26,7 +26,8 @@ from megatron_boost.config.modes import TPMode
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.runtime.backends import resolve_attention_backend, te_available
 
-__all__ = ["ResolvedRun", "resolve_run", "resolved_config_yaml", "resolve_device", "resolve_precision",
+__all__ = ["ResolvedRun", "resolve_run", "resolved_config_yaml", "resolve_device",
+           "resolve_precision",
            "padded_vocab_size", "run_vocab_size", "to_transformer_config", "check_model_rules"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -5,9 +5,10 @@ A run file has one top-level key per section (``model``, ``parallel``, ``trainin
 and the error names the key, the section and the file. Command-line overrides use dotted paths:
 ``model.attn_rank=64 parallel.tp=2``; values are parsed as YAML scalars (``2``, ``true``,
 ``1e-3``, ``[a, b]``). An error about a key names its source (the override, or the file and
-line) and, for an unknown key, the nearest valid one. An override of one budget key (``training.train_iters`` or
-``training.train_tokens``) drops the other from the file. Every field is documented by the string literal under it;
-``configs/reference.yaml`` is the commented reference of all keys.
+line) and, for an unknown key, the nearest valid one. An override of one budget key
+(``training.train_iters`` or ``training.train_tokens``) drops the other from the file. Every
+field is documented by the string literal under it; ``configs/reference.yaml`` is the commented
+reference of all keys.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from typing import Dict
 import torch
 
 __all__ = ["hf_config", "write_hf_dir", "load_hf_model", "read_hf_state_dict",
-           "read_config_json", "check_weight_files", "files_follow_umask", "HF_ACTIVATIONS", "COLA_CODE"]
+           "read_config_json", "check_weight_files", "files_follow_umask", "HF_ACTIVATIONS",
+           "COLA_CODE"]
 
 #: bottleneck σ -> transformers ACT2FN name ("linear" is ACT2FN's identity).
 HF_ACTIVATIONS = {"silu": "silu", "identity": "linear", "gelu": "gelu", "relu": "relu"}

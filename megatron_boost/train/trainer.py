@@ -8,9 +8,9 @@ training log (with evaluation), checkpoint and decide exit.
 
 Learning rate: linear warmup over ``optimizer.warmup_iters``, then the decay of
 ``optimizer.lr_decay_style`` (cosine, linear, WSD) to ``optimizer.min_lr`` at
-``optimizer.lr_decay_iters`` (default: the training length, so extending a run stretches it). Iteration
-k (1-based) runs with the scheduler at step k, so the first update uses lr/warmup (not 0) and the
-last one min_lr. On resume the configuration wins for every schedule parameter
+``optimizer.lr_decay_iters`` (default: the training length, so extending a run stretches it).
+Iteration k (1-based) runs with the scheduler at step k, so the first update uses lr/warmup
+(not 0) and the last one min_lr. On resume the configuration wins for every schedule parameter
 (``override_opt_param_scheduler``); only the step count comes from the checkpoint.
 
 Run directory (``logging.run_dir``): ``metrics.jsonl`` and ``tensorboard/``
