@@ -115,3 +115,19 @@ def test_configs_are_read_by_type_not_by_their_attributes():
         ModelShape.from_config(lookalike)
     with pytest.raises(TypeError, match="SimpleNamespace"):
         forward_flops_per_token(lookalike)
+
+
+def test_the_gpu_checks_rank_shapes_follow_the_table(monkeypatch):
+    """The GPU check's per-rank layer (analysis/rank_shape.py) shrinks the sizes the table
+    splits: boost's fc1 given naive's placement keeps the ffn whole and splits the MLP rank."""
+    from megatron_boost.analysis.rank_shape import rank_local_shape
+
+    def sizes():
+        local = rank_local_shape(SHAPE, TPMode.BOOST, TP)
+        return (local.hidden, local.ffn, local.heads, local.r_attn, local.r_mlp)
+
+    d, f, h = SHAPE.hidden, SHAPE.ffn, SHAPE.heads
+    assert sizes() == (d // TP, f // TP, h // TP, SHAPE.attn_rank, SHAPE.mlp_rank)
+    monkeypatch.setitem(P.PLACEMENT, (TPMode.BOOST, P.Group.FC1),
+                        P.PLACEMENT[(TPMode.NAIVE, P.Group.FC1)])
+    assert sizes() == (d // TP, f, h // TP, SHAPE.attn_rank, SHAPE.mlp_rank // TP)

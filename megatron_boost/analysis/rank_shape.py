@@ -9,12 +9,13 @@ built for a layout the trainer accepts. Used by the GPU check's layer stage (doc
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import List, Optional, Set, Tuple
 
 from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.config.modes import check_tp_split
+from megatron_boost.parallel.placement import Dim, Group, placement
 
-__all__ = ["rank_layout_problem", "rank_local_shape", "shape_overrides", "projection_gemms",
+__all__ = ["rank_layout_problem", "rank_local_shape", "sharded_sizes", "shape_overrides", "projection_gemms",
            "projection_training_flops"]
 
 
@@ -30,23 +31,40 @@ def rank_layout_problem(shape: ModelShape, mode: str, tp: int) -> Optional[str]:
     return None
 
 
+def sharded_sizes(mode) -> Set[str]:
+    """Which of the layer's sizes a TP rank holds a 1/t share of, read from the placement
+    table (``parallel/placement.py``): a column group's input width is the hidden size, its
+    output width the heads (qkv) or the ffn (fc1), its rank the attention or MLP rank; a size is
+    sharded when a factor of its group is split along it."""
+    sharded = set()
+    for group, out_size in ((Group.QKV, "heads"), (Group.FC1, "ffn")):
+        entry = placement(mode, group)
+        for factor in filter(None, (entry.a, entry.b)):
+            if factor.split is None:
+                continue
+            dim = (factor.rows, factor.cols)[factor.split]
+            sharded.add({Dim.D_IN: "hidden", Dim.D_OUT: out_size,
+                         Dim.RANK: f"{group.rank_kind}_rank"}[dim])
+    return sharded
+
+
 def rank_local_shape(shape: ModelShape, mode: str, tp: int) -> ModelShape:
     """The one-process layer whose GEMMs are those of one rank at tensor parallelism ``tp``
-    (docs/design.md §2): full shards heads and ffn; naive shards the bottleneck ranks
-    (attention, the MLP activation and the norms are replicated); boost shards the hidden
-    stream, heads and ffn, and keeps the full ranks (its A GEMMs reduce d/t-wide inputs).
+    (docs/design.md §2), its sharded sizes (:func:`sharded_sizes`: full the heads and ffn;
+    naive the bottleneck ranks, attention, the MLP activation and the norms replicated; boost
+    the hidden stream, heads and ffn, with the full ranks) divided by ``tp``.
     Raises ValueError (:func:`rank_layout_problem`) for a layout the trainer refuses."""
     problem = rank_layout_problem(shape, mode, tp)
     if problem is not None:
         raise ValueError(problem)
+    sharded = sharded_sizes(mode)
     local = dataclasses.replace(shape, head_dim=shape.e)  # e stays e when d or h shrink
-    heads = dict(heads=shape.heads // tp, query_groups=shape.g // tp)
-    if mode == "full":
-        return dataclasses.replace(local, ffn=shape.ffn // tp, **heads)
-    if mode == "naive":
-        return dataclasses.replace(local, attn_rank=shape.r_attn // tp,
-                                   mlp_rank=shape.r_mlp // tp)
-    return dataclasses.replace(local, hidden=shape.hidden // tp, ffn=shape.ffn // tp, **heads)
+    sizes = dict(hidden=shape.hidden, ffn=shape.ffn, heads=shape.heads, query_groups=shape.g,
+                 attn_rank=shape.r_attn, mlp_rank=shape.r_mlp)
+    if "heads" in sharded:
+        sharded.add("query_groups")  # key/value heads split with the query heads
+    return dataclasses.replace(local, **{k: v // tp if k in sharded else v
+                                         for k, v in sizes.items()})
 
 
 def shape_overrides(shape: ModelShape) -> List[str]:
