@@ -37,6 +37,7 @@ FAST = {"boost-tp2", "naive-tp2", "full-tp2", "NEG-boost-tp2"}
 MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=8,
              num_query_groups=4, vocab_size=100, attn_rank=8, mlp_rank=8)
 MODEL4 = dict(MODEL, num_layers=4)  # interleaved pipelines need layers per virtual stage
+TIED = dict(MODEL, share_embeddings_and_output_weights=True)  # one [V, d] table, both ends
 
 
 def L(mode, tp=1, pp=1, vpp=None, model=MODEL, **kw):
@@ -70,9 +71,22 @@ LAYOUTS = [
     ("naive-tp2-dp2-distopt", 4, L("naive", tp=2, use_distributed_optimizer=True)),
     ("full-tp2-dp2-distopt", 4, L("full", tp=2, use_distributed_optimizer=True)),
     ("boost-dp2-distopt", 2, L("boost", use_distributed_optimizer=True)),
+    # Tied embeddings: TP (boost's reduce-scatter lookup), PP (megatron's embedding-group
+    # gradient all-reduce between the first and the last stage) and both, against the
+    # one-process tied model.
+    ("boost-tp2-tied", 2, L("boost", tp=2, model=TIED)),
+    ("naive-tp2-tied", 2, L("naive", tp=2, model=TIED)),
+    ("full-tp2-tied", 2, L("full", tp=2, model=TIED)),
+    ("boost-pp2-tied", 2, L("boost", pp=2, model=TIED)),
+    ("naive-pp2-tied", 2, L("naive", pp=2, model=TIED)),
+    ("full-pp2-tied", 2, L("full", pp=2, model=TIED)),
+    ("boost-tp2-pp2-tied", 4, L("boost", tp=2, pp=2, model=TIED)),
+    ("naive-tp2-pp2-tied", 4, L("naive", tp=2, pp=2, model=TIED)),
+    ("full-tp2-pp2-tied", 4, L("full", tp=2, pp=2, model=TIED)),
     # Negative controls: one parameter shard corrupted on every rank.
     ("NEG-boost-tp2", 2, L("boost", tp=2, corrupt=True)),
     ("NEG-naive-tp2-pp2", 4, L("naive", tp=2, pp=2, corrupt=True)),
+    ("NEG-boost-tp2-pp2-tied", 4, L("boost", tp=2, pp=2, model=TIED, corrupt=True)),
 ]
 
 
