@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_boost.analysis.shape import MODES
 from megatron_boost.cli.pretrain import main as pretrain_main
 from megatron_boost.perf.published import PAPER_ROWS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.fast
@@ -17,3 +21,26 @@ def test_paper_config_passes_check_at_its_layout_in_every_mode(row, capsys):
         code = pretrain_main(["--check", "--world-size", str(tp * pp), "--config", config,
                               f"parallel.mode={mode}", f"parallel.tp={tp}", f"parallel.pp={pp}"])
         assert code == 0, f"{row} {mode}: {capsys.readouterr()}"
+
+
+def test_dry_run_prints_the_full_table(tmp_path):
+    """scripts/slurm/paper_table.sh --dry-run: the GPU run's script and code path on the CPU
+    (two gloo processes, tiny shapes) prints every row in every mode, labelled as CPU figures,
+    the ratios, and writes the JSON that scripts/render_docs.py renders to the same table."""
+    import json
+    import subprocess
+
+    from megatron_boost.cli.paper_table import markdown_table
+    out = tmp_path / "table.json"
+    proc = subprocess.run(["scripts/slurm/paper_table.sh", "--dry-run", "--warmup", "0",
+                           "--iters", "1", "--json", str(out)], cwd=ROOT, text=True,
+                          capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPU dry run" in proc.stdout
+    for row in PAPER_ROWS:
+        for mode in MODES:
+            assert f"| {row} | {mode} |" in proc.stdout, (row, mode, proc.stdout)
+        assert f"| {row} | " in proc.stdout.split("boost/vanilla")[-1], row
+    report = json.loads(out.read_text())
+    assert report["cpu_dry_run"] and not report["skipped"]
+    assert markdown_table(report) in proc.stdout
