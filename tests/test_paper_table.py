@@ -44,3 +44,28 @@ def test_dry_run_prints_the_full_table(tmp_path):
     report = json.loads(out.read_text())
     assert report["cpu_dry_run"] and not report["skipped"]
     assert markdown_table(report) in proc.stdout
+
+
+@pytest.mark.fast
+def test_sizing_doc_has_every_paper_layout_and_flags_the_shapes_that_do_not_divide(capsys):
+    """docs/sizing.md's paper-layouts table is the tool's output; it predicts every row in
+    every mode and names the rule the CoLA 1B shape (ffn 5461) breaks at TP = 4 in the modes
+    that shard the MLP (full, boost), not in naive's."""
+    from megatron_boost.cli.perf_model import main
+    from megatron_boost.perf.sizing import PAPER_BEGIN, PAPER_END, replace_table
+
+    assert main(["--paper-layouts"]) == 0
+    table = capsys.readouterr().out
+    doc = (ROOT / "docs" / "sizing.md").read_text()
+    assert replace_table(doc, table, PAPER_BEGIN, PAPER_END) == doc, (
+        "docs/sizing.md is stale: python tools/perf_model.py --paper-layouts --write "
+        "docs/sizing.md")
+    lines = table.splitlines()
+    for row, (config, tp, pp, _) in PAPER_ROWS.items():
+        for mode in MODES:
+            line = next(x for x in lines if x.startswith(f"| {row} | `{config}` | {tp}×{pp} | "
+                                                         f"{mode} |"))
+            assert "does not divide" not in line, line
+    flagged = [x for x in lines if "does not divide" in x]
+    assert len(flagged) == 2 and all("1B-tp4" in x and "ffn_hidden_size (5461)" in x
+                                     for x in flagged), flagged
