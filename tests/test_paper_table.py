@@ -69,3 +69,25 @@ def test_sizing_doc_has_every_paper_layout_and_flags_the_shapes_that_do_not_divi
     flagged = [x for x in lines if "does not divide" in x]
     assert len(flagged) == 2 and all("1B-tp4" in x and "ffn_hidden_size (5461)" in x
                                      for x in flagged), flagged
+
+
+@pytest.mark.compat
+def test_tied_checkpoint_reshards_from_tp2_to_pp2_with_its_optimizer_state(tmp_path):
+    """A tied boost run saved at TP=2 (one vocab-parallel table) resumes at TP=1 × PP=2, where
+    the last stage holds megatron's copy of the table: the weights and the distributed
+    optimizer's state reshard, so the resumed iterations give the uninterrupted run's losses."""
+    from tests.test_training import losses, run_training
+
+    tied = ["model.share_embeddings_and_output_weights=true", "model.vocab_size=256",
+            "parallel.use_distributed_optimizer=true", "training.train_iters=4",
+            "optimizer.lr_decay_iters=4", "training.eval_interval=100",
+            "logging.log_interval=1", "checkpoint.save_interval=2"]
+    first, second = tmp_path / "tp2", tmp_path / "pp2"
+    run_training(2, tied + ["parallel.tp=2", f"logging.run_dir={first}"])
+    proc = run_training(2, tied + ["parallel.tp=1", "parallel.pp=2", f"logging.run_dir={second}",
+                                   f"checkpoint.load={first / 'checkpoints' / 'iter_0000002'}"])
+    assert "saved layout tp=2 pp=1" in proc.stdout
+    ref, got = losses(first), losses(second)
+    assert sorted(got) == [3, 4]
+    for it in (3, 4):  # fp32 CPU, sums in another order: agreement to rounding
+        assert got[it] == pytest.approx(ref[it], rel=1e-5), (it, got[it], ref[it])
