@@ -203,10 +203,10 @@ class BottleneckGPTModel(GPTModel):
 
     def setup_embeddings_and_output_layer(self) -> None:
         """megatron's set-up of the embedding and the output layer (tying included: the
-        first/last-stage weight sync and its attributes), run once on the final modules. The
-        call at the end of GPTModel's __init__ is skipped: naive and boost replace those
-        modules afterwards, and a second embedding-group all-reduce on one stage only would
-        pair with nothing on the other."""
+        attributes of the shared weight and, with pp > 1, the first/last-stage weight sync),
+        run once on the final modules. The call at the end of GPTModel's __init__ is skipped:
+        naive and boost replace those modules afterwards, and it would set up (and all-reduce
+        over the embedding group) a table about to be discarded."""
         if getattr(self, "_ends_built", False):
             super().setup_embeddings_and_output_layer()
 
