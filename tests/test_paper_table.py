@@ -91,3 +91,29 @@ def test_tied_checkpoint_reshards_from_tp2_to_pp2_with_its_optimizer_state(tmp_p
     assert sorted(got) == [3, 4]
     for it in (3, 4):  # fp32 CPU, sums in another order: agreement to rounding
         assert got[it] == pytest.approx(ref[it], rel=1e-5), (it, got[it], ref[it])
+
+
+@pytest.mark.fast
+def test_gpu_report_has_mfu_and_the_perf_model_prediction_of_the_run_shape():
+    """The GPU branch of the table without a GPU: a measured report of the 3B row on an H200
+    gets MFU from the device's peak and the prediction of the shape that ran (28 layers, not
+    the 26 of the authors' timed runs)."""
+    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.cli.paper_table import markdown_table, summarise
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.perf.hardware import hardware
+    from megatron_boost.perf.model import Layout, predict
+
+    modes = {m: {"times_s": [2.0, 1.0, 3.0], "vocab": 32000, "peak_memory_bytes": 2 ** 34}
+             for m in MODES}
+    raw = {"device": "NVIDIA H200", "skipped": {}, "rows": {"3B": {
+        "tp": 2, "pp": 1, "dp": 1, "seq_length": 4096, "micro_batch_size": 4, "modes": modes}}}
+    report = summarise(raw, dry_run=False, warmup=1, iters=3)
+    shape = ModelShape.from_config(load_run_config(ROOT / "configs/paper-3b.yaml").model)
+    assert shape.num_layers == 28
+    for row in report["rows"]:
+        lay = Layout(mode=row["mode"], tp=2, pp=1, dp=1, micro_batch=4, recompute="none")
+        assert row["predicted_s"] == round(predict(shape, lay, hardware("h200")).iteration_s, 4)
+        assert row["iteration_s"] == 2.0 and 0 < row["mfu"] < 1
+        assert row["published_a100_s"] is not None
+    assert "predicted s (h200)" in markdown_table(report)

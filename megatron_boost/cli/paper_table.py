@@ -228,7 +228,7 @@ def summarise(raw: dict, dry_run: bool, warmup: int, iters: int) -> dict:
     from megatron_boost.config.run import load_run_config
     from megatron_boost.perf.hardware import hardware
     from megatron_boost.perf.model import Layout, predict
-    from megatron_boost.perf.published import PAPER_ROWS, PUBLISHED_A100, PUBLISHED_SHAPES
+    from megatron_boost.perf.published import PAPER_ROWS, PUBLISHED_A100
     from megatron_boost.runtime.devices import peak_dense_bf16_tflops
 
     device = raw["device"] or "unknown"
@@ -248,8 +248,7 @@ def summarise(raw: dict, dry_run: bool, warmup: int, iters: int) -> dict:
             flops = step_flops(cfg, mode, tokens, m["vocab"], seq)
             predicted = None
             if gpu is not None:
-                shape = PUBLISHED_SHAPES[published_row] if published_row else \
-                    ModelShape.from_config(cfg.model)
+                shape = ModelShape.from_config(cfg.model)  # the run's (3B: 28 layers)
                 lay = Layout(mode=mode, tp=r["tp"], pp=r["pp"], dp=r["dp"], micro_batch=mb,
                              global_batch=mb * r["dp"], recompute="none")
                 predicted = round(predict(shape, lay, hardware(gpu)).iteration_s, 4)
