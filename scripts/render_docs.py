@@ -15,7 +15,9 @@ Kinds of block:
   ``tools/benchmark.py --json`` (step time, tokens/s, TP traffic, saved activations per row;
   then the speed ratios of each file, and the low-rank recompute overhead when a file was
   measured with ``--recompute lowrank`` beside one without);
-* ``placement``: the placement table (``megatron_boost/parallel/placement.py``) as Markdown.
+* ``placement``: the placement table (``megatron_boost/parallel/placement.py``) as Markdown;
+* ``paper-table PATH``: the paper-table report (JSON) written by ``tools/paper_table.py
+  --json``, as that tool prints it (``megatron_boost.cli.paper_table.markdown_table``).
 
     python scripts/render_docs.py            # rewrite the blocks in place
     python scripts/render_docs.py --check    # exit 1, naming each stale block, if any differs
@@ -107,7 +109,15 @@ def _placement(root: Path) -> str:
     return placement_markdown() + "\n"
 
 
-RENDERERS = {"include": _include, "bench": _bench, "placement": _placement}
+def _paper_table(root: Path, path: str) -> str:
+    sys.path.insert(0, str(root))  # the repository's package, as the tools import it
+    from megatron_boost.cli.paper_table import markdown_table
+
+    return markdown_table(json.loads((root / path).read_text()))
+
+
+RENDERERS = {"include": _include, "bench": _bench, "placement": _placement,
+             "paper-table": _paper_table}
 
 
 def render_block(root: Path, spec: str) -> str:

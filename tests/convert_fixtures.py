@@ -19,6 +19,9 @@ TIMEOUT = 600
 #: Trainer checkpoints of every kind of layout: name -> (processes, overrides).
 LAYOUTS = {
     "boost_tp2_pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    # tied embeddings: the last stage's copy saved under the embedding's key, resharded to TP 1
+    "boost_tp2_pp2_tied": (4, ["parallel.tp=2", "parallel.pp=2",
+                               "model.share_embeddings_and_output_weights=true"]),
     "naive_tp2": (2, ["parallel.mode=naive", "parallel.tp=2"]),
     "full_tp2": (2, ["parallel.mode=full", "parallel.tp=2"]),
     "boost_distopt_identity": (2, ["parallel.use_distributed_optimizer=true",
@@ -67,7 +70,8 @@ def train(nproc: int, overrides: List[str], run_dir: Path) -> str:
                         timeout=TIMEOUT).stdout
 
 
-def random_llama(d: Path, num_key_value_heads: int = 2, vocab_size: int = 256) -> Path:
+def random_llama(d: Path, num_key_value_heads: int = 2, vocab_size: int = 256,
+                 tie_word_embeddings: bool = False) -> Path:
     """A randomly initialised LlamaForCausalLM of the debug size (GQA), saved locally."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,7 +79,8 @@ def random_llama(d: Path, num_key_value_heads: int = 2, vocab_size: int = 256) -
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=num_key_value_heads, max_position_embeddings=32,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False)
+                         rms_norm_eps=1e-5,
+                         tie_word_embeddings=tie_word_embeddings)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # non-trivial norms, so a norm mapped to the wrong slot shows
         for name, p in model.named_parameters():

@@ -75,6 +75,8 @@ def test_export_any_layout_gives_the_tp1_tensors(layout, checkpoint, tmp_path, c
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()  # sharded at 100KB
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     lowrank = layout != "full_tp2"
+    assert config["tie_word_embeddings"] == layout.endswith("_tied")
+    assert ("lm_head.weight" in exported) != layout.endswith("_tied")
     assert config["architectures"] == ["ColaForCausalLM" if lowrank else "LlamaForCausalLM"]
     assert (tmp_path / "hf" / "modeling_cola.py").is_file() == lowrank
 
@@ -206,6 +208,22 @@ def test_hf_round_trip_through_a_boost_checkpoint_keeps_the_logits(tmp_path, tok
     assert export(tmp_path / "ckpt", tmp_path / "back") == 0
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["architectures"] == ["ColaForCausalLM"]  # the boost factors, not a fold
+    delta = (hf_logits(tmp_path / "back", TOKENS) - hf_logits(hf, TOKENS)).abs().max()
+    assert delta < EXACT, delta
+
+
+@pytest.mark.compat
+def test_tied_hf_model_round_trips_through_a_tied_boost_checkpoint(tmp_path, tokenizer_model):
+    """A tied HF LLaMA (tie_word_embeddings) imports as a tied boost model (one table, no
+    output layer of its own) and exports back to a tied model with the source's logits."""
+    hf = random_llama(tmp_path / "llama", num_key_value_heads=4, vocab_size=512,
+                      tie_word_embeddings=True)
+    tok = f"data.tokenizer_model={tokenizer_model}"
+    assert import_(hf, tmp_path / "ckpt", *BOOST_AT_FULL_RANK, tok) == 0
+    cfg, _ = mb.saved_run_config(mb.resolve_checkpoint(str(tmp_path / "ckpt")))
+    assert cfg.model.share_embeddings_and_output_weights
+    assert export(tmp_path / "ckpt", tmp_path / "back") == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["tie_word_embeddings"]
     delta = (hf_logits(tmp_path / "back", TOKENS) - hf_logits(hf, TOKENS)).abs().max()
     assert delta < EXACT, delta
 

@@ -37,6 +37,7 @@ FAST = {"boost-tp2", "naive-tp2", "full-tp2", "NEG-boost-tp2"}
 MODEL = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=8,
              num_query_groups=4, vocab_size=100, attn_rank=8, mlp_rank=8)
 MODEL4 = dict(MODEL, num_layers=4)  # interleaved pipelines need layers per virtual stage
+TIED = dict(MODEL, share_embeddings_and_output_weights=True)  # one [V, d] table, both ends
 
 
 def L(mode, tp=1, pp=1, vpp=None, model=MODEL, **kw):
@@ -70,9 +71,22 @@ LAYOUTS = [
     ("naive-tp2-dp2-distopt", 4, L("naive", tp=2, use_distributed_optimizer=True)),
     ("full-tp2-dp2-distopt", 4, L("full", tp=2, use_distributed_optimizer=True)),
     ("boost-dp2-distopt", 2, L("boost", use_distributed_optimizer=True)),
+    # Tied embeddings: TP (boost's reduce-scatter lookup), PP (megatron's embedding-group
+    # gradient all-reduce between the first and the last stage) and both, against the
+    # one-process tied model.
+    ("boost-tp2-tied", 2, L("boost", tp=2, model=TIED)),
+    ("naive-tp2-tied", 2, L("naive", tp=2, model=TIED)),
+    ("full-tp2-tied", 2, L("full", tp=2, model=TIED)),
+    ("boost-pp2-tied", 2, L("boost", pp=2, model=TIED)),
+    ("naive-pp2-tied", 2, L("naive", pp=2, model=TIED)),
+    ("full-pp2-tied", 2, L("full", pp=2, model=TIED)),
+    ("boost-tp2-pp2-tied", 4, L("boost", tp=2, pp=2, model=TIED)),
+    ("naive-tp2-pp2-tied", 4, L("naive", tp=2, pp=2, model=TIED)),
+    ("full-tp2-pp2-tied", 4, L("full", tp=2, pp=2, model=TIED)),
     # Negative controls: one parameter shard corrupted on every rank.
     ("NEG-boost-tp2", 2, L("boost", tp=2, corrupt=True)),
     ("NEG-naive-tp2-pp2", 4, L("naive", tp=2, pp=2, corrupt=True)),
+    ("NEG-boost-tp2-pp2-tied", 4, L("boost", tp=2, pp=2, model=TIED, corrupt=True)),
 ]
 
 
@@ -89,7 +103,13 @@ def _selected(request) -> tuple:
     return layouts, {item.originalname for item in items}
 
 
-COLLECTIVE_MODES = ("full", "naive", "boost")
+COLLECTIVE_MODES = ("full", "naive", "boost", "boost-tied")
+
+
+def _collective_spec(name: str) -> LayoutSpec:
+    """The TP=2 model whose collectives ``test_<name>_model_collectives`` checks."""
+    mode, _, tied = name.partition("-")
+    return L(mode, tp=2, model=TIED if tied else MODEL)
 
 
 def _references(rank, world, ref_specs, boost1):
@@ -117,7 +137,10 @@ def results(request):
     selected, tests = _selected(request)
     boost1 = L("boost") if "boost-tp1-vs-naive-tp1" in selected else None
     wanted = [(n, w, spec) for n, w, spec in LAYOUTS if n in selected]
-    collective_modes = [m for m in COLLECTIVE_MODES if f"test_{m}_model_collectives" in tests]
+    collective_modes = [m for m in COLLECTIVE_MODES
+                        if f"test_{m.replace('-', '_')}_model_collectives" in tests]
+    if "boost-tied" in collective_modes and "boost" not in collective_modes:
+        collective_modes.insert(0, "boost")  # the tied model is checked against it
     refs_needed = {}
     for _, _, spec in wanted + ([("", 1, boost1)] if boost1 else []):
         refs_needed.setdefault(_ref_key(spec), reference_spec(spec))
@@ -130,15 +153,16 @@ def results(request):
             out["boost-tp1-vs-naive-tp1"] = [tp1]
     for world in (2, 4):
         layouts = [(name, spec) for name, w, spec in wanted if w == world]
-        collective_specs = [L(m, tp=2) for m in collective_modes] if world == 2 else []
+        collective_specs = ([_collective_spec(m) for m in collective_modes] if world == 2
+                            else [])
         if not layouts and not collective_specs:
             continue
         jobs = [(spec, refs[_ref_key(spec)]) for _, spec in layouts]
         per_rank = distributed(_world_jobs, world, jobs, collective_specs, timeout=600)
         for i, (name, _) in enumerate(layouts):
             out[name] = [rank_layouts[i] for rank_layouts, _ in per_rank]
-        for i, spec in enumerate(collective_specs):
-            out[f"collectives-{spec.mode}"] = per_rank[0][1][i]  # rank 0's record, as before
+        for i, name in enumerate(collective_modes if world == 2 else []):
+            out[f"collectives-{name}"] = per_rank[0][1][i]  # rank 0's record, as before
     return out
 
 
@@ -213,6 +237,19 @@ def test_boost_model_collectives(collectives):
     assert sorted(bwd) == sorted([3 * R, R, 2 * R, R] * layers + [D])
     assert max(fwd + bwd) <= D
     assert all(k == "all_reduce" for _, k, _, _ in other)  # vocab-parallel cross entropy
+
+
+def test_boost_tied_model_collectives(collectives):
+    """Tying adds exactly the embedding's reduce-scatter of the [s, b, d] partial rows
+    (forward; recorded as its [t·n, d/t] input) and the all-gather of its gradient
+    (backward) to the untied boost model's collectives: the head's volume, nothing per layer
+    (docs/design.md §2)."""
+    extra = list(collectives["boost-tied"])
+    for record in collectives["boost"]:
+        extra.remove(record)
+    tokens, t = S * MB, 2
+    assert extra == [("fwd", "reduce_scatter", D // t, tokens * D),
+                     ("bwd", "all_gather", D, tokens * D)]
 
 
 def test_naive_model_collectives(collectives):

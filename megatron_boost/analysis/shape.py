@@ -116,7 +116,9 @@ class ModelShape:
                    vocab=None if vocab is None else int(vocab),
                    seq_length=None if seq is None else int(seq),
                    attn_rank=None if ra is None else int(ra),
-                   mlp_rank=None if rm is None else int(rm))
+                   mlp_rank=None if rm is None else int(rm),
+                   tied_embeddings=bool(getattr(m, "share_embeddings_and_output_weights",
+                                                False)))
 
     @property
     def g(self) -> int:

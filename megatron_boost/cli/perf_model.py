@@ -54,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizing-table", action="store_true",
                     help="the table of docs/sizing.md: every shipped GPU config at its "
                          "intended layout (one 8-GPU node), A100 / H100 / H200")
-    ap.add_argument("--write", help="with --sizing-table: replace the table in this file "
+    ap.add_argument("--paper-layouts", action="store_true",
+                    help="the paper-layouts table of docs/sizing.md: every row of the BOOST "
+                         "paper's table in every mode at its layout, and the CoLA-shape "
+                         "configs at those layouts (flagged where their shape does not divide)")
+    ap.add_argument("--write", help="with --sizing-table or --paper-layouts: replace that table in this file "
                                     "(between its markers) instead of printing it")
     ap.add_argument("--json", help="write the results as JSON to this file")
     return ap
@@ -117,22 +121,28 @@ def _predictions(s: Dict, modes, hw, gpus_per_node) -> list:
     return preds
 
 
-def _sizing_table(write: Optional[str]) -> int:
+def _sizing_table(write: Optional[str], paper_layouts: bool = False) -> int:
     from pathlib import Path
 
-    from megatron_boost.perf.sizing import replace_table, sizing_configs, sizing_table
+    from megatron_boost.perf import sizing
 
     root = Path(__file__).resolve().parents[2]
-    table = sizing_table(sizing_configs(root / "configs"), root)
+    if paper_layouts:
+        table, what = sizing.paper_layouts_table(root), "paper-layouts table"
+        markers = (sizing.PAPER_BEGIN, sizing.PAPER_END)
+    else:
+        table, what = sizing.sizing_table(sizing.sizing_configs(root / "configs"), root), \
+            "sizing table"
+        markers = (sizing.BEGIN, sizing.END)
     if not write:
         print(table, end="")
         return 0
     path = Path(write)
     if not path.is_file():
         raise ValueError(f"--write '{write}' is not an existing file; give the Markdown file "
-                         f"whose sizing table to replace (e.g. docs/sizing.md)")
-    path.write_text(replace_table(path.read_text(), table))
-    print(f"wrote the sizing table into {write}")
+                         f"whose {what} to replace (e.g. docs/sizing.md)")
+    path.write_text(sizing.replace_table(path.read_text(), table, *markers))
+    print(f"wrote the {what} into {write}")
     return 0
 
 
@@ -141,8 +151,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     hw = hardware(args.gpu)
     modes = args.modes
-    if args.sizing_table:
-        return _sizing_table(args.write)
+    if args.sizing_table or args.paper_layouts:
+        return _sizing_table(args.write, paper_layouts=args.paper_layouts)
     result: Dict = {"gpu": hw.name, "hardware": dataclasses.asdict(hw)}
     if args.compare_published:
         rows = compare_published()

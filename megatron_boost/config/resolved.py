@@ -207,6 +207,7 @@ def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:
         batch_p2p_comm=not par.vpp,
         attention_backend=run.attention_backend,
         overlap_bottleneck_grad_reduce=par.overlap_bottleneck_grad_reduce,
+        share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
     )
     kwargs.update(extra)
     return BoostTransformerConfig(**kwargs)

@@ -72,6 +72,12 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rotary_base: int = 10000
     """RoPE base."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the input embedding and the output layer (megatron's name; transformers'
+    ``tie_word_embeddings``): one [V, d] table, held vocab-parallel [V/t, d] in every mode.
+    With pp > 1 the last stage keeps a copy that megatron keeps equal by all-reducing its
+    gradient with the first stage's. boost: the embedding reduce-scatters its partial lookup
+    to the hidden shards (docs/design.md §2)."""
     attention_backend: str = "auto"
     """Core attention: auto (te on CUDA when transformer_engine imports, else sdpa), sdpa
     (torch scaled_dot_product_attention), local (megatron's DotProductAttention), te

@@ -91,6 +91,10 @@ class BoostTransformerConfig(TransformerConfig):
     the all-reduced bottleneck activations and the rms sums of squares; recompute the rest in
     backward without re-running any collective. naive and boost modes."""
 
+    share_embeddings_and_output_weights: bool = False
+    """One [V, d] table for the input embedding and the output layer (the model's constructor
+    argument of megatron's GPTModel, carried here so every builder sees it)."""
+
     attention_backend: str = "local"
     """Core attention of every layer: sdpa (torch scaled_dot_product_attention), local
     (megatron's DotProductAttention) or te (Transformer Engine). Runs take it from

@@ -36,7 +36,8 @@ def hf_config(cfg, vocab_rows: int, cola: bool, tokenizer=None):
         head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
         max_position_embeddings=m.seq_length, rms_norm_eps=m.norm_epsilon,
         rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
-        initializer_range=m.init_method_std, tie_word_embeddings=False,
+        initializer_range=m.init_method_std,
+        tie_word_embeddings=m.share_embeddings_and_output_weights,
         # CoLA's MLP: no gate non-linearity unless mlp_gate_activation (docs/design.md §1)
         hidden_act="silu" if cfg.parallel.mode == "full" or m.mlp_gate_activation
         else "linear",

@@ -73,6 +73,7 @@ def _shape_overrides(hf: dict) -> List[str]:
         "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
         "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
         "rotary_base": int(rope.get("rope_theta", hf.get("rope_theta", 10000))),
+        "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
     }
     if hf["model_type"] == "cola":
         values.update(attn_rank=hf["attn_rank"], mlp_rank=hf["mlp_rank"],
@@ -123,6 +124,8 @@ def _check_ranks(cfg) -> None:
 def _pad_vocab(weights: Dict[str, torch.Tensor], rows: int) -> None:
     """Zero rows for megatron's padded vocabulary ids (never produced by the tokenizer)."""
     for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if key not in weights:  # a tied model has no output layer of its own
+            continue
         w = weights[key]
         weights[key] = torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])], 0)
 

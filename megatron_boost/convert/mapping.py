@@ -44,7 +44,9 @@ NORM_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
 }
-#: tensors outside the decoder layers (untied embedding and head).
+#: tensors outside the decoder layers. A tied model (``share_embeddings_and_output_weights``;
+#: HF ``tie_word_embeddings``) has no output_layer / lm_head tensor: the head reads the
+#: embedding.
 GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -118,7 +120,7 @@ def megatron_to_hf(weights: Dict[str, torch.Tensor], att: AttentionShape, lowran
                    fold: bool = False) -> Dict[str, torch.Tensor]:
     """Global megatron tensors -> HF state dict: CoLA factors (``lowrank``), dense LLaMA
     weights folded from them (``fold``), or the full-rank model's own weights."""
-    hf = {hf_name: weights[key] for key, hf_name in GLOBAL_NAMES.items()}
+    hf = {hf_name: weights[key] for key, hf_name in GLOBAL_NAMES.items() if key in weights}
     for layer in range(_num_layers(weights)):
         for key, hf_name in NORM_NAMES.items():
             hf[_hf_layer(layer, hf_name)] = weights[layer_key(layer, key)]
@@ -139,8 +141,10 @@ def hf_to_megatron(hf: Dict[str, torch.Tensor], num_layers: int, att: AttentionS
                    factors=None) -> Dict[str, torch.Tensor]:
     """HF state dict -> global megatron tensors. ``factors(layer, proj, hf_module)`` returns
     (A [r, in], B [out, r]) for a low-rank target; None imports the dense weights as the
-    full-rank model's."""
-    weights = {key: hf[hf_name] for key, hf_name in GLOBAL_NAMES.items()}
+    full-rank model's. A tied source (no ``lm_head.weight``) gives no output_layer tensor;
+    the model it is loaded into must then be tied as well (``set_weights`` names what is
+    missing)."""
+    weights = {key: hf[hf_name] for key, hf_name in GLOBAL_NAMES.items() if hf_name in hf}
     for layer in range(num_layers):
         for key, hf_name in NORM_NAMES.items():
             weights[layer_key(layer, key)] = hf[_hf_layer(layer, hf_name)]

@@ -10,6 +10,12 @@ The decoder layers come from :mod:`megatron_boost.model.specs`. Around them:
          (:class:`GatheredRMSNorm`: one all-gather, then megatron's vocab-parallel output layer
          and loss), docs/design.md §2.
 
+Tied embeddings (``config.share_embeddings_and_output_weights``) are megatron's own mechanism
+in every mode: one vocab-parallel table [V/t, d] that the output layer reads; with pp > 1 the
+last stage's copy is kept equal by megatron's embedding-group gradient all-reduce. boost's tied
+embedding (:class:`TiedHiddenShardedEmbedding`) looks up that table and reduce-scatters the
+partial rows to the hidden shards (docs/design.md §2).
+
 Pipeline stages of a boost model exchange the local shard [s, b, d/t] (docs/design.md §6).
 megatron-core's schedules allocate p2p buffers of shape (seq_length, micro_batch, hidden_size);
 the boost model is therefore driven with ``seq_length = s / t`` (see
@@ -31,6 +37,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
+    VocabParallelEmbedding,
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer.module import MegatronModule
@@ -50,11 +57,14 @@ from megatron_boost.model.specs import (
     replicated_decoder_pgs,
     te_norm,
 )
-from megatron_boost.parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron_boost.parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    reduce_scatter_to_hidden_shards,
+)
 
 __all__ = [
-    "BottleneckGPTModel", "GatheredRMSNorm", "HiddenShardedEmbedding", "build_model",
-    "schedule_seq_length",
+    "BottleneckGPTModel", "GatheredRMSNorm", "HiddenShardedEmbedding",
+    "TiedHiddenShardedEmbedding", "build_model", "schedule_seq_length",
 ]
 
 
@@ -127,8 +137,33 @@ class HiddenShardedEmbedding(MegatronModule):
             {"weight": 1}, sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp)
 
 
+class TiedHiddenShardedEmbedding(MegatronModule):
+    """boost's word embedding when it is tied to the output layer: the table is megatron's
+    vocab-parallel one [V/t, d] (the tensor the output layer reads, saved and resharded as
+    megatron saves it). Each rank looks up the tokens of its vocabulary slice (zeros elsewhere),
+    and a reduce-scatter along d turns the partial rows into this rank's hidden shard
+    [s, b, d/t]: the volume of the head's all-gather, once per micro-batch (docs/design.md
+    §2)."""
+
+    def __init__(self, config, vocab_size: int, tp_group):
+        super().__init__(config=config)
+        self.tp_group = tp_group
+        self.word_embeddings = VocabParallelEmbedding(
+            num_embeddings=vocab_size, embedding_dim=config.hidden_size,
+            init_method=config.init_method, config=config, tp_group=tp_group)
+
+    def forward(self, input_ids, position_ids=None, tokentype_ids=None):
+        table = self.word_embeddings
+        outside = (input_ids < table.vocab_start_index) | (input_ids >= table.vocab_end_index)
+        local_ids = (input_ids - table.vocab_start_index).masked_fill(outside, 0)
+        rows = F.embedding(local_ids, table.weight)  # [b, s, d]: partial, this vocab slice
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        shard = reduce_scatter_to_hidden_shards(rows, self.tp_group)  # [b, s, d/t]
+        return shard.transpose(0, 1).contiguous()  # [s, b, d/t]
+
+
 class BottleneckGPTModel(GPTModel):
-    """megatron-core GPTModel for the three modes (untied embeddings, RoPE).
+    """megatron-core GPTModel for the three modes (RoPE; tied or untied embeddings).
 
     Args:
         config: the model config; ``config.tp_mode`` selects the mode.
@@ -150,7 +185,8 @@ class BottleneckGPTModel(GPTModel):
         super().__init__(
             config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
             max_sequence_length=max_sequence_length, pre_process=pre_process,
-            post_process=post_process, share_embeddings_and_output_weights=False,
+            post_process=post_process,
+            share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
             position_embedding_type="rope", rotary_base=rotary_base,
             pg_collection=decoder_pgs, vp_stage=vp_stage)
         self.tp_mode = mode
@@ -159,7 +195,20 @@ class BottleneckGPTModel(GPTModel):
         if mode is TPMode.NAIVE:
             self._vocab_parallel_ends(vocab_size, max_sequence_length)
         elif mode is TPMode.BOOST and pre_process:
-            self.embedding = HiddenShardedEmbedding(config, vocab_size, tp_group)
+            tied = self.share_embeddings_and_output_weights
+            self.embedding = (TiedHiddenShardedEmbedding if tied else HiddenShardedEmbedding)(
+                config, vocab_size, tp_group)
+        self._ends_built = True
+        self.setup_embeddings_and_output_layer()
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        """megatron's set-up of the embedding and the output layer (tying included: the
+        attributes of the shared weight and, with pp > 1, the first/last-stage weight sync),
+        run once on the final modules. The call at the end of GPTModel's __init__ is skipped:
+        naive and boost replace those modules afterwards, and it would set up (and all-reduce
+        over the embedding group) a table about to be discarded."""
+        if getattr(self, "_ends_built", False):
+            super().setup_embeddings_and_output_layer()
 
     def _vocab_parallel_ends(self, vocab_size: int, max_sequence_length: int) -> None:
         """naive: GPTModel built the embedding and head with the one-rank decoder group;
@@ -177,7 +226,9 @@ class BottleneckGPTModel(GPTModel):
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, vocab_size, config=config, init_method=config.init_method,
                 bias=False, skip_bias_add=False, gather_output=False,
-                skip_weight_param_allocation=False, tp_group=tp_group)
+                skip_weight_param_allocation=(self.pre_process
+                                              and self.share_embeddings_and_output_weights),
+                tp_group=tp_group)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -16,9 +16,14 @@ are re-exported here under their megatron names, and the layers call them by tho
   differ between megatron-core versions, so it is called through
   :func:`megatron_boost.compat.linear_with_dgrad_allreduce`.
 
-All of them return early for a group of one rank. BOOST's own collective is
+All of them return early for a group of one rank. BOOST's own collectives are
 :func:`bottleneck_up`: the B factors on the replicated bottleneck, whose backward all-reduce of
-dz overlaps the dB GEMMs (docs/design.md §7), one autograd Function in the manner of megatron's.
+dz overlaps the dB GEMMs (docs/design.md §7), and :func:`reduce_scatter_to_hidden_shards`
+(fwd reduce-scatter along the last dimension, bwd all-gather along it): the tied embedding's
+partial rows [b, s, d] become the hidden shards [b, s, d/t] (docs/design.md §2). megatron's
+``reduce_scatter_last_dim_to_tensor_parallel_region`` has that contract, but its backward
+allocates on ``torch.cuda.current_device()``, which CPU mode cannot redirect inside autograd;
+these allocate beside their input. Each is one autograd Function in the manner of megatron's.
 
 The layers' forward all-reduces go through :func:`reduce_forward` (megatron's
 ``reduce_from_tensor_model_parallel_region``) and :func:`reduce_products` (boost's A side):
@@ -46,6 +51,7 @@ __all__ = [
     "gather_from_tensor_model_parallel_region",
     "reduce_forward",
     "reduce_products",
+    "reduce_scatter_to_hidden_shards",
     "split_project",
     "bottleneck_up",
 ]
@@ -144,3 +150,37 @@ def bottleneck_up(z: torch.Tensor, weights, ranks: Sequence[int], group,
         return split_project(copy_to_tensor_model_parallel_region(z, group=group), weights,
                              ranks)
     return list(_UpProjectAllReduceDgrad.apply(z, group, list(ranks), *weights))
+
+
+class _ReduceScatterLastDimFwdAllGatherBwd(torch.autograd.Function):
+    """fwd: reduce-scatter along the last dimension, [..., d] (partial) -> [..., d/t] (summed,
+    this rank's slice); bwd: all-gather of the gradient along it, [..., d/t] -> [..., d]."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t = get_pg_size(group)
+        *lead, d = x.shape
+        # [t·n, d/t], rank i's slice in rows [i·n, (i+1)·n) (n tokens): the layout every
+        # backend's reduce_scatter_tensor takes (gloo: along dim 0 only)
+        slices = torch.cat(x.reshape(-1, d).chunk(t, dim=-1))
+        out = x.new_empty(slices.shape[0] // t, d // t)  # [n, d/t]
+        torch.distributed.reduce_scatter_tensor(out, slices, group=group)
+        return out.view(*lead, d // t)  # [..., d/t]
+
+    @staticmethod
+    def backward(ctx, grad):
+        t = get_pg_size(ctx.group)
+        *lead, d_t = grad.shape
+        grad = grad.reshape(-1, d_t).contiguous()  # [n, d/t]
+        gathered = grad.new_empty(t * grad.shape[0], d_t)  # [t·n, d/t], rank i's at i·n
+        torch.distributed.all_gather_into_tensor(gathered, grad, group=ctx.group)
+        return torch.cat(gathered.chunk(t), dim=-1).view(*lead, t * d_t), None  # [..., d]
+
+
+def reduce_scatter_to_hidden_shards(x: torch.Tensor, group) -> torch.Tensor:
+    """[..., d] partial sums on every rank -> this rank's hidden shard [..., d/t] of their sum
+    (bwd: all-gather). Identity for a group of one rank."""
+    if get_pg_size(group) == 1:
+        return x
+    return _ReduceScatterLastDimFwdAllGatherBwd.apply(x, group)

@@ -18,7 +18,8 @@ from megatron_boost.analysis.shape import MODES, ModelShape
 from megatron_boost.perf.hardware import HardwareSpec, hardware
 from megatron_boost.perf.model import Layout, predict
 
-__all__ = ["PUBLISHED_SHAPES", "PUBLISHED_A100", "PUBLISHED_SETUP", "compare_published"]
+__all__ = ["PUBLISHED_SHAPES", "PUBLISHED_A100", "PUBLISHED_SETUP", "PAPER_ROWS",
+           "compare_published"]
 
 # Shapes of the authors' benchmark configs (github.com/Arcana-2236/BOOST, examples/ and
 # .logging/iter_comp_mbz4/configs): LLaMA-2 shapes, MHA, rank = d/4, vocab 32000, tied
@@ -41,6 +42,17 @@ PUBLISHED_A100: Dict[str, Tuple[int, int, Dict[str, float]]] = {
     "3B": (2, 1, {"full": 1.14, "naive": 1.41, "boost": 0.78}),
     "7B": (4, 1, {"full": 1.06, "naive": 1.64, "boost": 0.72}),
     "13B": (4, 2, {"full": 2.07, "naive": 2.42, "boost": 1.30}),
+}
+
+#: The rows of the paper's table as this project runs them: (config, tp, pp, published row or
+#: None). The configs carry the authors' shapes (configs/paper-*.yaml, docs/sizing.md); 1B also
+#: runs at TP=4, which the authors' 1B shape divides and the table does not time.
+PAPER_ROWS: Dict[str, Tuple[str, int, int, Optional[str]]] = {
+    "1B": ("configs/paper-1b.yaml", 1, 1, "1B"),
+    "1B-tp4": ("configs/paper-1b.yaml", 4, 1, None),
+    "3B": ("configs/paper-3b.yaml", 2, 1, "3B"),
+    "7B": ("configs/paper-7b.yaml", 4, 1, "7B"),
+    "13B": ("configs/paper-13b.yaml", 4, 2, "13B"),
 }
 
 PUBLISHED_SETUP = dict(gpu="a100-80gb-perlmutter", gpus_per_node=4, micro_batch=4, seq_length=4096,
