@@ -140,6 +140,15 @@ class TrainingConfig:
     max_skipped_steps: int = 10
     """A step whose loss or gradients are not finite on any rank is skipped (no update; logged
     with ``skipped: true``); this many consecutive skips stop the run without saving."""
+    exit_interval: Optional[int] = None
+    """Stop, with a checkpoint and exit status 0, at the next iteration that is a multiple of
+    this (megatron-LM's --exit-interval); the learning-rate schedule stays that of the whole
+    budget, so a resumed run continues the uninterrupted one. null: never."""
+    exit_duration_minutes: Optional[float] = None
+    """Stop, with a checkpoint and exit status 0, at the first step boundary after this many
+    minutes since the launch started (megatron-LM's --exit-duration-in-mins): set it below the
+    job's wall-clock limit by the time of a save. Every rank agrees through the step's one
+    all-reduce. null: never."""
 
 
 @dataclass

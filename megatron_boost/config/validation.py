@@ -36,7 +36,8 @@ _POSITIVE = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
 _NON_NEGATIVE = ("optimizer.lr", "optimizer.min_lr")
 _POSITIVE_OR_NULL = ("model.num_query_groups", "model.kv_channels", "model.attn_rank",
                      "model.mlp_rank", "parallel.vpp", "parallel.dp", "checkpoint.keep_last",
-                     "training.train_iters", "training.train_tokens")
+                     "training.train_iters", "training.train_tokens",
+                     "training.exit_interval", "training.exit_duration_minutes")
 _RECOMPUTE = (None, "selective", "full", "lowrank")
 
 
