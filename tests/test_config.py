@@ -142,3 +142,35 @@ def test_checking_a_configuration_imports_neither_torch_nor_megatron():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1] == "[]", proc.stdout[-2000:]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides,on,why", [
+    (["parallel.mode=full", "parallel.tp=2"], True, "full mode at tp > 1"),
+    (["parallel.mode=full", "parallel.tp=2", "parallel.sequence_parallel=false"], False,
+     "the BOOST paper's full-rank baseline"),
+    (["parallel.mode=full", "parallel.sequence_parallel=true"], False, "tp=1"),
+    (["parallel.mode=boost", "parallel.tp=2"], False, "boost mode"),
+    (["parallel.mode=naive", "parallel.tp=2"], False, "naive mode"),
+], ids=["full-default", "full-off", "full-tp1", "boost", "naive"])
+def test_sequence_parallel_resolves_per_mode(overrides, on, why):
+    """megatron's sequence parallelism: on by default for full rank at TP > 1 (as megatron
+    users run it), reaching megatron's config; off, with the reason, everywhere else."""
+    run = resolve_run(load_run_config(None, overrides), "cpu")
+    assert (run.sequence_parallel, to_transformer_config(run).sequence_parallel) == (on, on)
+    assert why in run.sequence_parallel_reason
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides,needle", [
+    (["parallel.mode=boost", "parallel.sequence_parallel=true"],
+     "does not apply to boost mode: boost's residual stream is already sharded"),
+    (["parallel.mode=naive", "parallel.sequence_parallel=true"],
+     "does not apply to naive mode"),
+    (["parallel.mode=full", "parallel.tp=2", "model.seq_length=33", "model.num_attention_heads=4"],
+     "model.seq_length (33) must be divisible by parallel.tp (2) with sequence parallelism"),
+], ids=["boost", "naive", "seq-length"])
+def test_sequence_parallel_is_refused_where_it_cannot_apply(overrides, needle):
+    with pytest.raises(ValueError) as err:
+        load_run_config(None, overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)

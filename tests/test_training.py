@@ -209,6 +209,29 @@ def test_time_limit_on_one_rank_stops_every_rank():
     assert distributed(_agree_with_one_late_rank, 2) == [(True, False, 1.0)] * 2
 
 
+def test_full_rank_resumes_across_sequence_parallel_on_and_off(tmp_path):
+    """Sequence parallelism changes no parameter and no checkpoint key (the norms stay
+    replicated over TP): a plain-TP checkpoint resumes with it on, and its checkpoint resumes
+    with it off, each continuing the plain-TP run. To fp32 rounding, not bitwise: sequence
+    parallelism sums the norms' gradients and the block outputs in another order."""
+    common = ["parallel.mode=full", "parallel.tp=2", "training.train_iters=4",
+              "training.eval_interval=100", "logging.log_interval=1"]
+    plain, on, off = tmp_path / "plain", tmp_path / "on", tmp_path / "off"
+    first = run_training(2, common + ["parallel.sequence_parallel=false",
+                                      "checkpoint.save_interval=2", f"logging.run_dir={plain}"])
+    assert "sequence_parallel=off (parallel.sequence_parallel=false" in first.stdout
+    second = run_training(2, common + ["checkpoint.save_interval=1", f"logging.run_dir={on}",
+                                       f"checkpoint.load={plain / 'checkpoints/iter_0000002'}"])
+    assert "sequence_parallel=on (full mode at tp > 1" in second.stdout
+    run_training(2, common + ["parallel.sequence_parallel=false", f"logging.run_dir={off}",
+                              f"checkpoint.load={on / 'checkpoints/iter_0000003'}"])
+    ref = losses(plain)
+    assert sorted(losses(on)) == [3, 4] and sorted(losses(off)) == [4]
+    for got in (losses(on), losses(off)):
+        for it, loss in got.items():
+            assert loss == pytest.approx(ref[it], rel=1e-5), (it, loss, ref[it])
+
+
 # ------------------------------------------------------------------------------------------
 # (c) resharding: TP=2 checkpoint -> TP=1, PP=2
 # ------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_boost.config.run import RunConfig
-from megatron_boost.config.modes import TPMode
+from megatron_boost.config.modes import TPMode, resolve_sequence_parallel
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.runtime.backends import resolve_attention_backend, te_available
 
@@ -57,6 +57,10 @@ class ResolvedRun:
     padded_vocab_size: int
     """Rows of the embedding table and the output layer (:func:`padded_vocab_size`, or a
     checkpoint's rows for the conversion tools)."""
+    sequence_parallel: bool = False
+    """megatron's sequence parallelism on (``parallel.sequence_parallel`` resolved)."""
+    sequence_parallel_reason: str = ""
+    """Why on or off (printed in the trainer's banner)."""
     process_groups: Any = None
     """megatron's ProcessGroupCollection of this rank; None: megatron's global groups."""
 
@@ -131,6 +135,8 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
     backend, reason = resolve_attention_backend(cfg.model.attention_backend, device,
                                                 te_available())
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg, tokenizer)
+    sequence_parallel, sp_reason = resolve_sequence_parallel(cfg.parallel.mode, cfg.parallel.tp,
+                                                             cfg.parallel.sequence_parallel)
     if process_groups is None:
         from megatron.core import parallel_state
 
@@ -143,6 +149,7 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
         precision=resolve_precision(cfg.training.precision, device),
         attention_backend=backend, attention_reason=reason, vocab_size=vocab,
         padded_vocab_size=padded_vocab or padded_vocab_size(vocab, cfg.parallel.tp),
+        sequence_parallel=sequence_parallel, sequence_parallel_reason=sp_reason,
         process_groups=process_groups)
 
 
@@ -163,7 +170,8 @@ def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels, tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
-        virtual_pipeline_model_parallel_size=par.vpp, tp_mode=mode, attn_rank=attn_rank,
+        virtual_pipeline_model_parallel_size=par.vpp, sequence_parallel=run.sequence_parallel,
+        tp_mode=mode, attn_rank=attn_rank,
         mlp_rank=mlp_rank, bottleneck_activation=m.bottleneck_activation,
         mlp_gate_activation=m.mlp_gate_activation, cola_init=m.cola_init,
         init_method_std=m.init_method_std, layernorm_epsilon=m.norm_epsilon,

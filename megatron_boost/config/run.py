@@ -99,6 +99,12 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (megatron's distributed optimizer)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
+    sequence_parallel: Optional[bool] = None
+    """megatron's sequence parallelism (full mode only): the norms and the residual stream
+    between TP blocks are sharded along the sequence over the TP group (all-gather before a
+    block, reduce-scatter after it, in place of its all-reduce). null: on for full mode at
+    tp > 1, as megatron users run it; false: the BOOST paper's full-rank baseline (plain TP).
+    naive and boost refuse true (docs/design.md §2)."""
     overlap_bottleneck_grad_reduce: bool = True
     """Low-rank modes: run the backward all-reduce of each bottleneck's input gradient (boost:
     dz of the B factors; naive: dx of the A factors) asynchronously while the weight-gradient

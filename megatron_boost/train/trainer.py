@@ -191,7 +191,9 @@ class Trainer:
         print0(f"megatron-boost: mode={par.mode} tp={par.tp} pp={par.pp} vpp={par.vpp} "
                f"dp={self.dp} world={dist.get_world_size()} device={self.device} "
                f"(training.device={t.device}) precision={self.run.precision} "
-               f"(training.precision={t.precision}) attention={attention} ({why}) | "
+               f"(training.precision={t.precision}) attention={attention} ({why}) "
+               f"sequence_parallel={'on' if self.run.sequence_parallel else 'off'} "
+               f"({self.run.sequence_parallel_reason}) | "
                f"layers={m.num_layers} d={m.hidden_size} "
                f"f={m.ffn_hidden_size} vocab={self.vocab} (padded {self.padded_vocab}) "
                f"seq={seq} | params on rank 0: {n_params / 1e6:.2f}M | "
@@ -363,7 +365,8 @@ class Trainer:
                                                  * self.cfg.model.seq_length),
                           num_microbatches=self.num_microbatches, local_layers=layers,
                           has_embedding=has("pre_process"), has_head=has("post_process"),
-                          full_recompute=self.cfg.training.recompute == "full"))
+                          full_recompute=self.cfg.training.recompute == "full",
+                          sequence_parallel=self.run.sequence_parallel))
         return comm["fwd"] + comm["bwd"]
 
     def _elapsed_minutes(self) -> float:
