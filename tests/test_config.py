@@ -1,5 +1,6 @@
 """Configuration: validation rules (one test each), strict YAML loading, dotted overrides."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -174,3 +175,46 @@ def test_sequence_parallel_is_refused_where_it_cannot_apply(overrides, needle):
     with pytest.raises(ValueError) as err:
         load_run_config(None, overrides)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+FUSIONS = ("gradient_accumulation_fusion", "apply_rope_fusion", "masked_softmax_fusion",
+           "persist_layer_norm")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("device,backend,kernels,on", [
+    ("cpu", "sdpa", dict(te=True, wgrad_accumulation=True, masked_softmax=True), set()),
+    ("cuda", "te", dict(te=True, wgrad_accumulation=True), {"gradient_accumulation_fusion",
+                                                            "apply_rope_fusion"}),
+    ("cuda", "te", dict(te=True), {"apply_rope_fusion"}),
+    ("cuda", "sdpa", dict(wgrad_accumulation=True, masked_softmax=True),
+     {"gradient_accumulation_fusion"}),
+    ("cuda", "local", dict(masked_softmax=True), {"masked_softmax_fusion"}),
+    ("cuda", "local", {}, set()),
+], ids=["cpu", "cuda-te-apex", "cuda-te", "cuda-sdpa-apex", "cuda-local-kernel", "cuda-bare"])
+def test_fusions_resolve_per_device_and_kernels(device, backend, kernels, on):
+    """Each fusion is on exactly where its kernel exists for the device and backend, with the
+    reason; the CPU keeps every one off and says so; persist_layer_norm is LayerNorm-only."""
+    from megatron_boost.runtime.backends import FusedKernels, format_fusions, resolve_fusions
+
+    got = resolve_fusions(device, backend, FusedKernels(**kernels))
+    assert set(got) == set(FUSIONS)
+    assert {name for name, (state, _) in got.items() if state} == on
+    assert all(why for _, why in got.values())
+    if device == "cpu":
+        assert got["apply_rope_fusion"][1] == "device cpu: the fused kernels are CUDA's"
+    assert "RMSNorm" in got["persist_layer_norm"][1]
+    text = format_fusions([(n, s, w) for n, (s, w) in got.items()])
+    assert all(n in text for n in FUSIONS)
+
+
+@pytest.mark.fast
+def test_resolved_fusions_reach_megatrons_config():
+    cfg = load_run_config(None, ["model.attention_backend=local"])
+    cpu = to_transformer_config(resolve_run(cfg, "cpu"))
+    assert not any(getattr(cpu, name) for name in FUSIONS)
+    # as resolved on a CUDA device with megatron's softmax kernel (built here on the CPU:
+    # resolution is a pure function of the device and the kernels)
+    run = dataclasses.replace(resolve_run(cfg, "cpu"), fusions=tuple(
+        (n, n == "masked_softmax_fusion", "test") for n in FUSIONS))
+    assert to_transformer_config(run).masked_softmax_fusion is True

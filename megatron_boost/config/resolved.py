@@ -16,14 +16,20 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
 from megatron_boost.config.run import RunConfig
 from megatron_boost.config.modes import TPMode, resolve_sequence_parallel
 from megatron_boost.config.transformer import BoostTransformerConfig
-from megatron_boost.runtime.backends import resolve_attention_backend, te_available
+from megatron_boost.runtime.backends import (
+    FusedKernels,
+    fused_kernels,
+    resolve_attention_backend,
+    resolve_fusions,
+    te_available,
+)
 
 __all__ = ["ResolvedRun", "resolve_run", "resolve_device", "resolve_precision",
            "padded_vocab_size", "run_vocab_size", "to_transformer_config", "check_model_rules"]
@@ -61,6 +67,9 @@ class ResolvedRun:
     """megatron's sequence parallelism on (``parallel.sequence_parallel`` resolved)."""
     sequence_parallel_reason: str = ""
     """Why on or off (printed in the trainer's banner)."""
+    fusions: Tuple[Tuple[str, bool, str], ...] = ()
+    """(megatron config field, on, why) of each device-dependent fusion
+    (``runtime.backends.resolve_fusions``; printed in the trainer's banner)."""
     process_groups: Any = None
     """megatron's ProcessGroupCollection of this rank; None: megatron's global groups."""
 
@@ -119,7 +128,7 @@ def run_vocab_size(cfg: RunConfig, tokenizer=None) -> int:
 
 def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
                 vocab_size: Optional[int] = None, padded_vocab: Optional[int] = None,
-                process_groups=None) -> ResolvedRun:
+                process_groups=None, kernels: Optional[FusedKernels] = None) -> ResolvedRun:
     """Resolve ``cfg`` (validated) for this process.
 
     Args:
@@ -130,6 +139,7 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
             padded for ``parallel.tp``.
         process_groups: megatron's ProcessGroupCollection; default: megatron's global groups
             if they exist.
+        kernels: the fused kernels that import; default: probed (none on the CPU).
     """
     device = resolve_device(device or cfg.training.device)
     backend, reason = resolve_attention_backend(cfg.model.attention_backend, device,
@@ -137,6 +147,9 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg, tokenizer)
     sequence_parallel, sp_reason = resolve_sequence_parallel(cfg.parallel.mode, cfg.parallel.tp,
                                                              cfg.parallel.sequence_parallel)
+    if kernels is None:
+        kernels = fused_kernels() if device == "cuda" else FusedKernels()
+    fusions = resolve_fusions(device, backend, kernels)
     if process_groups is None:
         from megatron.core import parallel_state
 
@@ -150,6 +163,7 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
         attention_backend=backend, attention_reason=reason, vocab_size=vocab,
         padded_vocab_size=padded_vocab or padded_vocab_size(vocab, cfg.parallel.tp),
         sequence_parallel=sequence_parallel, sequence_parallel_reason=sp_reason,
+        fusions=tuple((name, on, why) for name, (on, why) in fusions.items()),
         process_groups=process_groups)
 
 
@@ -177,8 +191,9 @@ def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:
         init_method_std=m.init_method_std, layernorm_epsilon=m.norm_epsilon,
         normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        # no biases and no dropout: nothing for the bias fusions to fuse
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, use_cpu_initialization=True,
@@ -191,6 +206,7 @@ def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:
         attention_backend=run.attention_backend,
         overlap_bottleneck_grad_reduce=par.overlap_bottleneck_grad_reduce,
     )
+    kwargs.update({name: on for name, on, _ in run.fusions})  # device and kernels (resolve_run)
     kwargs.update(extra)
     return BoostTransformerConfig(**kwargs)
 

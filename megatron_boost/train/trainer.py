@@ -52,6 +52,7 @@ from megatron_boost.config.resolved import resolve_run
 from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.data.validation import validate_data_files
+from megatron_boost.runtime.backends import format_fusions
 from megatron_boost.train import step
 from megatron_boost.train.build import build_run
 from megatron_boost.train.checkpoint_guard import TRACKER_FILE, iter_dir_name
@@ -194,8 +195,8 @@ class Trainer:
                f"(training.precision={t.precision}) attention={attention} ({why}) "
                f"sequence_parallel={'on' if self.run.sequence_parallel else 'off'} "
                f"({self.run.sequence_parallel_reason}) | "
-               f"layers={m.num_layers} d={m.hidden_size} "
-               f"f={m.ffn_hidden_size} vocab={self.vocab} (padded {self.padded_vocab}) "
+               f"fusions: {format_fusions(self.run.fusions)} | layers={m.num_layers} "
+               f"d={m.hidden_size} f={m.ffn_hidden_size} vocab={self.vocab} (padded {self.padded_vocab}) "
                f"seq={seq} | params on rank 0: {n_params / 1e6:.2f}M | "
                f"global batch {gbs} = micro {t.micro_batch_size} × dp {self.dp} × "
                f"{self.num_microbatches} micro-batches | {self.train_iters} iterations "
