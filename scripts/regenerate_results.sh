@@ -2,7 +2,7 @@
 # Re-measure the figures the documentation shows, write them under docs/results/, and refresh
 # the generated blocks of README.md and docs/*.md (scripts/render_docs.py).
 #   scripts/regenerate_results.sh                 # everything (about 10 minutes on 2 CPU cores)
-#   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision, demo
+#   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision, demo, ckpt
 # `demo` runs scripts/demo.sh (set-up included: run it in a fresh clone to time a new user's
 # first command) and keeps its key lines in docs/results/demo.txt.
 # The CPU benchmark measures ratios side by side in one sitting; run it on a quiet machine.
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 . "${VENV:-.venv}/bin/activate"
 out=docs/results
 mkdir -p "$out"
-what=${*:-bench comm perf precision}
+what=${*:-bench comm perf precision ckpt}
 
 for item in $what; do
   case "$item" in
@@ -31,6 +31,8 @@ for item in $what; do
         --seq-length 4096 --dtype bf16 > "$out/comm-volume-cola-7b.txt" ;;
     perf)
       python tools/perf_model.py --compare-published > "$out/perf-model-published.txt" ;;
+    ckpt)
+      python tools/checkpoint_cost.py --scale 0.05 --file-mib 256 > "$out/checkpoint-cost.txt" ;;
     demo)
       scripts/demo.sh 2>&1 | tee /tmp/megatron-boost-demo.log
       # The key lines: the run's banner and budget, the last training line, each validation,
