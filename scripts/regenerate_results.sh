@@ -3,7 +3,7 @@
 # the generated blocks of README.md and docs/*.md (scripts/render_docs.py).
 #   scripts/regenerate_results.sh                 # everything (about 10 minutes on 2 CPU cores)
 #   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision, demo,
-#                                                 # paper (the paper table's CPU dry run)
+#                                                 # paper (the paper table's CPU dry run), ckpt
 # `demo` runs scripts/demo.sh (set-up included: run it in a fresh clone to time a new user's
 # first command) and keeps its key lines in docs/results/demo.txt.
 # The CPU benchmark measures ratios side by side in one sitting; run it on a quiet machine.
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 . "${VENV:-.venv}/bin/activate"
 out=docs/results
 mkdir -p "$out"
-what=${*:-bench comm perf precision}
+what=${*:-bench comm perf precision ckpt}
 
 for item in $what; do
   case "$item" in
@@ -35,6 +35,8 @@ for item in $what; do
     paper)
       # The CPU dry run of the paper table (a GPU node writes the real one the same way).
       scripts/slurm/paper_table.sh --dry-run --json "$out/paper-table-cpu-dry-run.json" ;;
+    ckpt)
+      python tools/checkpoint_cost.py --scale 0.05 --file-mib 256 > "$out/checkpoint-cost.txt" ;;
     demo)
       scripts/demo.sh 2>&1 | tee /tmp/megatron-boost-demo.log
       # The key lines: the run's banner and budget, the last training line, each validation,

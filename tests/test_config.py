@@ -1,5 +1,6 @@
 """Configuration: validation rules (one test each), strict YAML loading, dotted overrides."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,78 @@ def test_saved_config_is_the_resolved_run(tmp_path):
     rerun = resolve_run(again)
     assert (rerun.vocab_size, rerun.padded_vocab_size, rerun.device, rerun.precision,
             rerun.attention_backend) == (300, 384, "cpu", "fp32", run.attention_backend)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides,on,why", [
+    (["parallel.mode=full", "parallel.tp=2"], True, "full mode at tp > 1"),
+    (["parallel.mode=full", "parallel.tp=2", "parallel.sequence_parallel=false"], False,
+     "the BOOST paper's full-rank baseline"),
+    (["parallel.mode=full", "parallel.sequence_parallel=true"], False, "tp=1"),
+    (["parallel.mode=boost", "parallel.tp=2"], False, "boost mode"),
+    (["parallel.mode=naive", "parallel.tp=2"], False, "naive mode"),
+], ids=["full-default", "full-off", "full-tp1", "boost", "naive"])
+def test_sequence_parallel_resolves_per_mode(overrides, on, why):
+    """megatron's sequence parallelism: on by default for full rank at TP > 1 (as megatron
+    users run it), reaching megatron's config; off, with the reason, everywhere else."""
+    run = resolve_run(load_run_config(None, overrides), "cpu")
+    assert (run.sequence_parallel, to_transformer_config(run).sequence_parallel) == (on, on)
+    assert why in run.sequence_parallel_reason
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides,needle", [
+    (["parallel.mode=boost", "parallel.sequence_parallel=true"],
+     "does not apply to boost mode: boost's residual stream is already sharded"),
+    (["parallel.mode=naive", "parallel.sequence_parallel=true"],
+     "does not apply to naive mode"),
+    (["parallel.mode=full", "parallel.tp=2", "model.seq_length=33", "model.num_attention_heads=4"],
+     "model.seq_length (33) must be divisible by parallel.tp (2) with sequence parallelism"),
+], ids=["boost", "naive", "seq-length"])
+def test_sequence_parallel_is_refused_where_it_cannot_apply(overrides, needle):
+    with pytest.raises(ValueError) as err:
+        load_run_config(None, overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+FUSIONS = ("gradient_accumulation_fusion", "apply_rope_fusion", "masked_softmax_fusion",
+           "persist_layer_norm")
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("device,backend,kernels,on", [
+    ("cpu", "sdpa", dict(te=True, wgrad_accumulation=True, masked_softmax=True), set()),
+    ("cuda", "te", dict(te=True, wgrad_accumulation=True), {"gradient_accumulation_fusion",
+                                                            "apply_rope_fusion"}),
+    ("cuda", "te", dict(te=True), {"apply_rope_fusion"}),
+    ("cuda", "sdpa", dict(wgrad_accumulation=True, masked_softmax=True),
+     {"gradient_accumulation_fusion"}),
+    ("cuda", "local", dict(masked_softmax=True), {"masked_softmax_fusion"}),
+    ("cuda", "local", {}, set()),
+], ids=["cpu", "cuda-te-apex", "cuda-te", "cuda-sdpa-apex", "cuda-local-kernel", "cuda-bare"])
+def test_fusions_resolve_per_device_and_kernels(device, backend, kernels, on):
+    """Each fusion is on exactly where its kernel exists for the device and backend, with the
+    reason; the CPU keeps every one off and says so; persist_layer_norm is LayerNorm-only."""
+    from megatron_boost.runtime.backends import FusedKernels, format_fusions, resolve_fusions
+
+    got = resolve_fusions(device, backend, FusedKernels(**kernels))
+    assert set(got) == set(FUSIONS)
+    assert {name for name, (state, _) in got.items() if state} == on
+    assert all(why for _, why in got.values())
+    if device == "cpu":
+        assert got["apply_rope_fusion"][1] == "device cpu: the fused kernels are CUDA's"
+    assert "RMSNorm" in got["persist_layer_norm"][1]
+    text = format_fusions([(n, s, w) for n, (s, w) in got.items()])
+    assert all(n in text for n in FUSIONS)
+
+
+@pytest.mark.fast
+def test_resolved_fusions_reach_megatrons_config():
+    cfg = load_run_config(None, ["model.attention_backend=local"])
+    cpu = to_transformer_config(resolve_run(cfg, "cpu"))
+    assert not any(getattr(cpu, name) for name in FUSIONS)
+    # as resolved on a CUDA device with megatron's softmax kernel (built here on the CPU:
+    # resolution is a pure function of the device and the kernels)
+    run = dataclasses.replace(resolve_run(cfg, "cpu"), fusions=tuple(
+        (n, n == "masked_softmax_fusion", "test") for n in FUSIONS))
+    assert to_transformer_config(run).masked_softmax_fusion is True

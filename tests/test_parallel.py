@@ -6,7 +6,8 @@ clipping. Checked against the one-process model (bottleneck modes against the on
 model, full against the one-process full-rank model): the loss, every gradient shard against
 the matching slice of the one-process gradient (except with the distributed optimizer, where
 each DP rank holds only its shard of the reduced buffer), the global gradient norm, and every
-parameter after one optimizer step. Tolerances: megatron_boost.testing.verification.TOLERANCES.
+parameter after one optimizer step. Full rank at TP > 1 runs megatron's sequence parallelism
+(its default here; ``full-tp2-nosp`` is plain TP). Tolerances: megatron_boost.testing.verification.TOLERANCES.
 
 Checks are grouped by world size so that one set of processes runs all of them: one process
 for the references (and boost at TP=1 against naive at TP=1), two for every world-2 layout and
@@ -48,7 +49,8 @@ def L(mode, tp=1, pp=1, vpp=None, model=MODEL, **kw):
 LAYOUTS = [
     ("boost-tp2", 2, L("boost", tp=2)),
     ("naive-tp2", 2, L("naive", tp=2)),
-    ("full-tp2", 2, L("full", tp=2)),
+    ("full-tp2", 2, L("full", tp=2)),  # full rank at TP > 1: sequence parallel by default
+    ("full-tp2-nosp", 2, L("full", tp=2, sequence_parallel=False)),  # the paper's baseline
     ("boost-pp2", 2, L("boost", pp=2)),
     ("boost-dp2", 2, L("boost")),
     ("boost-pp2-vpp2", 2, L("boost", pp=2, vpp=2, model=MODEL4)),
@@ -263,7 +265,19 @@ def test_naive_model_collectives(collectives):
 
 
 def test_full_model_collectives(collectives):
-    act, _ = _split(collectives["full"])
+    """Full rank at TP=2 runs megatron's sequence parallelism (on by default there): the
+    embedding's reduce-scatter, then around each block an all-gather of the sequence shards
+    before it and a reduce-scatter after it (in place of its all-reduce), and the head's
+    all-gather; in backward the conjugates, plus the all-gather of each column-parallel
+    linear's input for its weight gradient. Every one moves the whole [s, b, d] activation."""
     layers = MODEL["num_layers"]
-    assert [w for d, k, w in act if d == "fwd"] == [D] + [D, D] * layers
-    assert sorted(w for d, k, w in act if d == "bwd") == [D] * (2 * layers + 1)
+    whole = S * MB * D
+    acts = [(d, k) for d, k, w, n in collectives["full"] if n == whole]
+    fwd = [k for d, k in acts if d == "fwd"]
+    assert fwd == (["reduce_scatter"] + ["all_gather", "reduce_scatter"] * 2 * layers
+                   + ["all_gather"])
+    bwd = sorted(k for d, k in acts if d == "bwd")
+    # conjugates: 2·layers + 1 reduce-scatters and 2·layers + 1 all-gathers; the weight
+    # gradients of the 2·layers column-parallel linears and the head re-gather their inputs
+    assert bwd == sorted(["reduce_scatter"] * (2 * layers + 1)
+                         + ["all_gather"] * (2 * layers + 1) + ["all_gather"] * (2 * layers + 1))

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not _OK, reason=f"no Slurm test cluster: {_WHY}"
 #                          exit 75; exit 4 if nothing arrives within SECS. A run that finds the
 #                          checkpoint resumes and finishes at once.
 STAND_IN = r'''
-import argparse, json, os, signal, socket, sys, time
+import argparse, json, os, signal, socket, subprocess, sys, time
 from pathlib import Path
 
 import torch
@@ -108,7 +108,14 @@ result = {
     "config": args.config,
     "overrides": args.overrides,
     "env": {k: os.environ.get(k) for k in ("CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS",
-                                          "VIRTUAL_ENV")},
+                                          "VIRTUAL_ENV", "SLURM_CPUS_PER_TASK",
+                                          "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+                                          "NCCL_IB_HCA")},
+    # the scheduler's record of this step (its name, tasks and CPUs), read while it runs
+    "step": subprocess.run(
+        ["scontrol", "show", "step",
+         f"{os.environ['SLURM_JOB_ID']}.{os.environ['SLURM_STEP_ID']}"],
+        capture_output=True, text=True).stdout if rank == 0 else None,
 }
 (run_dir / f"result-rank{rank}.json").write_text(json.dumps(result))
 dist.destroy_process_group()
@@ -214,6 +221,48 @@ def test_one_node_two_processes(slurm1, job, how):
     if job.env.get("PYTHON_ENV"):
         assert results[0]["env"]["VIRTUAL_ENV"] == job.env["PYTHON_ENV"]
     assert "2 process(es)/node" in log
+
+
+def test_the_step_gets_the_allocations_cpus(slurm1, job):
+    """Without sbatch --cpus-per-task, the one-task-per-node step must still get every CPU the
+    job holds on the node (here all 2 of it, --exclusive), not Slurm's one CPU per task, and
+    the ranks share them (OMP_NUM_THREADS)."""
+    rc, job_id = _submit(slurm1, job, env={"NPROC_PER_NODE": "2"}, sbatch_args=["--exclusive"])
+    log = job.log(job_id)
+    assert rc == 0, log
+    results = _results(job.run_dir, 2)
+    for r in results:
+        assert r["env"]["SLURM_CPUS_PER_TASK"] == "2", r["env"]
+        assert r["env"]["OMP_NUM_THREADS"] == "1"  # 2 CPUs / 2 processes
+    assert "CPUs=2" in results[0]["step"], results[0]["step"]
+    assert "2 CPU(s)/node" in log, log
+
+
+def test_extra_srun_arguments_and_network_settings_reach_the_step(slurm1, job):
+    """SRUN_ARGS reach srun (the step's record carries the name given there), and network
+    settings reach every rank, also where the cluster's default exports nothing to steps
+    (SLURM_EXPORT_ENV=NONE); a value with commas stays whole."""
+    env = {"NPROC_PER_NODE": "2", "SRUN_ARGS": "--job-name=mboost-step-probe --label",
+           "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "^docker,veth",
+           "NCCL_IB_HCA": "mlx5_0:1,mlx5_1:1", "SLURM_EXPORT_ENV": "NONE"}
+    rc, job_id = _submit(slurm1, job, env=env)
+    log = job.log(job_id)
+    assert rc == 0, log
+    results = _results(job.run_dir, 2)
+    assert "Name=mboost-step-probe" in results[0]["step"], results[0]["step"]
+    for r in results:
+        assert r["env"]["GLOO_SOCKET_IFNAME"] == "lo", r["env"]
+        assert r["env"]["NCCL_SOCKET_IFNAME"] == "^docker,veth"
+        assert r["env"]["NCCL_IB_HCA"] == "mlx5_0:1,mlx5_1:1"
+    assert "network settings: NCCL_SOCKET_IFNAME=^docker,veth GLOO_SOCKET_IFNAME=lo" in log, log
+
+
+def test_srun_arguments_that_change_the_layout_are_refused(slurm1, job):
+    rc, job_id = _submit(slurm1, job, env={"SRUN_ARGS": "--ntasks=4"})
+    log = job.log(job_id)
+    assert rc == 2, log
+    assert "error: SRUN_ARGS '--ntasks=4'" in log, log
+    assert not job.run_dir.exists()
 
 
 def test_trainer_failure_fails_the_job(slurm1, job):

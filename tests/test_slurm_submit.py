@@ -103,3 +103,26 @@ def test_a_valid_job_is_submitted_unchanged(fake_sbatch, tmp_path):
     assert record.read_text().splitlines() == [
         *args[:5], "scripts/slurm/pretrain.sbatch", *args[5:]]
     assert (REPO / "logs").is_dir()  # pretrain.sbatch's --output directory
+
+
+@pytest.mark.parametrize("args,env,words", [
+    (["--cpus-per-task=1"], {"NPROC_PER_NODE": "2"}, ["--cpus-per-task 1", "at least 2"]),
+    ([], {"SRUN_ARGS": "--container-image=x -N 2"}, ["SRUN_ARGS '-N'", "one torchrun per node"]),
+    ([], {"GLOO_SOCKET_IFNAME": "^lo"}, ["GLOO_SOCKET_IFNAME '^lo'", "interface names"]),
+], ids=["cpus-per-task", "srun-args", "gloo-ifname"])
+def test_the_launchers_settings_are_checked_before_sbatch(fake_sbatch, tmp_path, args, env,
+                                                          words):
+    fake_env, record = fake_sbatch
+    proc = submit(fake_env, *args, "configs/debug.yaml", f"logging.run_dir={tmp_path / 'run'}",
+                  MBOOST_DEVICE="cpu", **env)
+    _one_error_line(proc, *words)
+    assert not record.exists()
+
+
+def test_container_and_network_settings_are_submitted(fake_sbatch, tmp_path):
+    env, record = fake_sbatch
+    proc = submit(env, "-c", "4", "configs/debug.yaml", f"logging.run_dir={tmp_path / 'run'}",
+                  MBOOST_DEVICE="cpu", NPROC_PER_NODE="2", GLOO_SOCKET_IFNAME="eth0,eth1",
+                  NCCL_SOCKET_IFNAME="^docker", SRUN_ARGS="--container-image=img.sqsh")
+    assert proc.returncode == 0, proc.stderr
+    assert record.read_text().splitlines()[:2] == ["-c", "4"]

@@ -233,6 +233,77 @@ def test_extended_run_with_fixed_decay_keeps_its_lr_curve(base, tmp_path):
     assert [r["lr"] for r in recs] == [pytest.approx(3e-4)] * 3
 
 
+@pytest.mark.compat
+def test_exit_interval_and_time_limit_stop_cleanly_and_resume_exactly(base, tmp_path):
+    """A launch stopped by training.exit_interval at 2, its relaunch stopped by
+    training.exit_duration_minutes after one step (3), and a last relaunch to the budget (6):
+    together they must equal the uninterrupted run bit for bit (losses, lr, grad norms), since
+    neither stop touches the learning-rate schedule. Each stop saves, exits 0 and says why."""
+    run_dir, _ = base
+    args = BASE + [f"logging.run_dir={tmp_path}"]
+    tracker = tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt"
+    first = run_training(2, args + ["training.exit_interval=2"])
+    assert ("exit interval reached, checkpoint saved at iteration 2 "
+            "(training.exit_interval=2; exiting with status 0)") in first.stdout, first.stdout
+    assert tracker.read_text().strip() == "2"
+    # any step outlasts a limit of 60 µs: the relaunch stops after its first step
+    second = run_training(2, args + ["training.exit_duration_minutes=0.000001"])
+    assert "at iteration 2" in second.stdout
+    assert "time limit reached, checkpoint saved at iteration 3" in second.stdout, second.stdout
+    assert tracker.read_text().strip() == "3"
+    run_training(2, args)
+    ref = {r["iteration"]: r for r in metrics(run_dir)}
+    got = {r["iteration"]: r for r in metrics(tmp_path)}
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for it, r in got.items():  # fp32 CPU: bit-identical
+        for key in ("loss", "lr", "grad_norm"):
+            assert r[key] == ref[it][key], (it, key, r[key], ref[it][key])
+
+
+def _agree_with_one_late_rank(rank, world):
+    import torch
+
+    from megatron_boost.train.resilience import agree_on_step
+
+    agreed = agree_on_step([torch.tensor(1.0)], [], False, True, torch.device("cpu"),
+                           time_up=rank == world - 1)
+    return agreed.time_up, agreed.preempt, agreed.loss
+
+
+@pytest.mark.compat
+@pytest.mark.fast
+def test_time_limit_on_one_rank_stops_every_rank():
+    """The time limit is read from each rank's own clock; the step's all-reduce must make one
+    rank past it stop every rank at the same step boundary (else the others would wait for it
+    in the next step's collectives)."""
+    from tests.rank_pool import distributed
+
+    assert distributed(_agree_with_one_late_rank, 2) == [(True, False, 1.0)] * 2
+
+
+def test_full_rank_resumes_across_sequence_parallel_on_and_off(tmp_path):
+    """Sequence parallelism changes no parameter and no checkpoint key (the norms stay
+    replicated over TP): a plain-TP checkpoint resumes with it on, and its checkpoint resumes
+    with it off, each continuing the plain-TP run. To fp32 rounding, not bitwise: sequence
+    parallelism sums the norms' gradients and the block outputs in another order."""
+    common = ["parallel.mode=full", "parallel.tp=2", "training.train_iters=4",
+              "training.eval_interval=100", "logging.log_interval=1"]
+    plain, on, off = tmp_path / "plain", tmp_path / "on", tmp_path / "off"
+    first = run_training(2, common + ["parallel.sequence_parallel=false",
+                                      "checkpoint.save_interval=2", f"logging.run_dir={plain}"])
+    assert "sequence_parallel=off (parallel.sequence_parallel=false" in first.stdout
+    second = run_training(2, common + ["checkpoint.save_interval=1", f"logging.run_dir={on}",
+                                       f"checkpoint.load={plain / 'checkpoints/iter_0000002'}"])
+    assert "sequence_parallel=on (full mode at tp > 1" in second.stdout
+    run_training(2, common + ["parallel.sequence_parallel=false", f"logging.run_dir={off}",
+                              f"checkpoint.load={on / 'checkpoints/iter_0000003'}"])
+    ref = losses(plain)
+    assert sorted(losses(on)) == [3, 4] and sorted(losses(off)) == [4]
+    for got in (losses(on), losses(off)):
+        for it, loss in got.items():
+            assert loss == pytest.approx(ref[it], rel=1e-5), (it, loss, ref[it])
+
+
 # ------------------------------------------------------------------------------------------
 # (c) resharding: TP=2 checkpoint -> TP=1, PP=2
 # ------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
 import torch
+from megatron.core.tensor_parallel import layers as _mcore_layers
 from megatron.core.tensor_parallel import mappings as _mcore_mappings
 from megatron.core.utils import get_pg_size
 
@@ -93,6 +94,9 @@ _TARGETS = [
     (torch.distributed, "reduce_scatter_tensor", "reduce_scatter"),
     (_mcore_mappings, "dist_all_gather_func", "all_gather"),
     (_mcore_mappings, "dist_reduce_scatter_func", "reduce_scatter"),
+    # the sequence-parallel linear layers' own aliases
+    (_mcore_layers, "dist_all_gather_func", "all_gather"),
+    (_mcore_layers, "dist_reduce_scatter_func", "reduce_scatter"),
 ]
 
 

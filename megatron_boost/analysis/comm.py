@@ -39,14 +39,19 @@ _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 _CROSS_ENTROPY_FP32_VALUES = 3
 
 
-def tp_comm_widths(shape: ModelShape, mode: str,
-                   dtype: str = "fp32") -> Tuple[List[int], List[int]]:
+def tp_comm_widths(shape: ModelShape, mode: str, dtype: str = "fp32",
+                   sequence_parallel: bool = False) -> Tuple[List[int], List[int]]:
     """(forward, backward) widths, elements per token, of one layer's TP all-reduces, in issue
     order (docs/design.md §5), read from the placement table
     (:func:`megatron_boost.parallel.placement.collective_widths`):
 
     * full: row-parallel proj and fc2 all-reduce their d-wide outputs forward; column-parallel
-      qkv and fc1 all-reduce their d-wide input gradients backward.
+      qkv and fc1 all-reduce their d-wide input gradients backward. With megatron's sequence
+      parallelism each all-reduce becomes a reduce-scatter plus an all-gather, each handed the
+      whole d-wide activation (the same bytes on the wire: a ring all-reduce is the two):
+      forward, the all-gather of the sequence shards before qkv and fc1 and the reduce-scatter
+      of proj's and fc2's outputs; backward, their conjugates and qkv's and fc1's re-gather of
+      their input for the weight gradient.
     * naive: each chunk all-reduces its output forward (qkv: h·e + 2·g·e, o: d, gate+up: 2f,
       down: d) and its input gradient backward (qkv: d, o: h·e, fc1: d, fc2: f).
     * boost: one all-reduce of the group's bottleneck forward (qkv: 3r_a + 1 with the fused
@@ -57,6 +62,10 @@ def tp_comm_widths(shape: ModelShape, mode: str,
       1 then 2r_m.
     """
     mode = check_mode(mode)
+    if mode == "full" and sequence_parallel:
+        # each of the table's d-wide all-reduces as megatron's SP pair (see above)
+        d = shape.hidden
+        return [d] * 4, [d] * 6
     return collective_widths(mode, shape.projections(mode), products_fp32=dtype == "fp32")
 
 
@@ -99,12 +108,12 @@ def layer_comm_formula(cfg: Any, mode: str, dtype: str = "fp32") -> Dict[str, An
             "fwd_formula": text[0], "bwd_formula": text[1]}
 
 
-def layer_comm_bytes_per_token(shape: ModelShape, mode: str,
-                               dtype: str = "fp32") -> Tuple[int, int]:
+def layer_comm_bytes_per_token(shape: ModelShape, mode: str, dtype: str = "fp32",
+                               sequence_parallel: bool = False) -> Tuple[int, int]:
     """(forward, backward) bytes per token one decoder layer hands to TP collectives: the
     widths of :func:`tp_comm_widths` in the activation dtype, except online-RMSNorm's statistic
     columns, which are fp32 whatever the activation dtype (docs/design.md §3)."""
-    fwd, bwd = tp_comm_widths(shape, mode, dtype)
+    fwd, bwd = tp_comm_widths(shape, mode, dtype, sequence_parallel)
     esize = _ELEMENT_BYTES[dtype]
     fp32_columns = fp32_statistic_columns(mode, dtype)
     return sum(fwd) * esize + fp32_columns * (4 - esize), sum(bwd) * esize
@@ -129,6 +138,8 @@ class StepCommShape:
     full_recompute: bool = False
     """megatron's full activation recompute re-runs each layer's forward, collectives
     included, during the backward (low-rank recompute replays them, docs/design.md §7)."""
+    sequence_parallel: bool = False
+    """Full mode with megatron's sequence parallelism (:func:`tp_comm_widths`)."""
 
 
 def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
@@ -140,21 +151,28 @@ def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
     embedding's forward all-reduce of width d in full and naive (boost's hidden-sharded table
     needs none); at the head, boost's forward all-gather of the d-wide hidden stream, the output
     layer's backward all-reduce of its d-wide input gradient (every mode) and the fp32 values of
-    the vocab-parallel cross entropy."""
+    the vocab-parallel cross entropy. With sequence parallelism the embedding's all-reduce is
+    a reduce-scatter (all-gather backward) and the head all-gathers its d-wide input forward
+    and re-gathers it backward for the output layer's weight gradient; once per step, the
+    norms' weight gradients (partial sums over the sequence shards) are all-reduced over the
+    TP group, fp32 (megatron's ``finalize_model_grads``; gradients are reduced in fp32)."""
     if step.tp == 1:
         return {"fwd": 0, "bwd": 0}
     mode = check_mode(mode)
     esize, d = _ELEMENT_BYTES[dtype], shape.hidden
-    layer_fwd, layer_bwd = layer_comm_bytes_per_token(shape, mode, dtype)
+    sp = step.sequence_parallel and mode == "full"
+    layer_fwd, layer_bwd = layer_comm_bytes_per_token(shape, mode, dtype, sp)
     fwd = step.local_layers * layer_fwd
     bwd = step.local_layers * (layer_bwd + (layer_fwd if step.full_recompute else 0))
     if step.has_embedding and mode != "boost":
         fwd += d * esize
+        bwd += d * esize if sp else 0
     if step.has_head:
-        fwd += (d * esize if mode == "boost" else 0) + _CROSS_ENTROPY_FP32_VALUES * 4
-        bwd += d * esize
+        fwd += (d * esize if mode == "boost" or sp else 0) + _CROSS_ENTROPY_FP32_VALUES * 4
+        bwd += d * esize * (2 if sp else 1)
     tokens = step.tokens_per_microbatch * step.num_microbatches
-    return {"fwd": fwd * tokens, "bwd": bwd * tokens}
+    norms = 2 * step.local_layers + int(step.has_head)  # each layer's two, the final one
+    return {"fwd": fwd * tokens, "bwd": bwd * tokens + (norms * d * 4 if sp else 0)}
 
 
 def comm_summary(log: CommLog, tokens: int) -> Dict[str, Any]:
@@ -204,6 +222,8 @@ class LayerCommSpec:
     micro_batch_size: int = 1
     dtype: str = "fp32"
     seed: int = 1234
+    sequence_parallel: bool = False
+    """Full mode: megatron's sequence parallelism (off: the per-layer formula's plain TP)."""
 
 
 def _run_config(spec: LayerCommSpec):
@@ -213,6 +233,7 @@ def _run_config(spec: LayerCommSpec):
     cfg.model = ModelConfig(**{**asdict(ModelConfig()), **spec.model})
     cfg.model.seq_length = spec.seq_length
     cfg.parallel.mode, cfg.parallel.tp = spec.mode, spec.tp
+    cfg.parallel.sequence_parallel = spec.sequence_parallel
     return cfg.validate()
 
 

@@ -13,7 +13,7 @@ import enum
 from typing import Iterable, List, Optional, Tuple
 
 __all__ = ["TPMode", "default_rank", "tp_sharded_sizes", "check_divisible_by_tp",
-           "check_tp_split"]
+           "check_tp_split", "resolve_sequence_parallel"]
 
 
 class TPMode(str, enum.Enum):
@@ -127,3 +127,34 @@ def check_tp_split(mode, tp: int, **sizes) -> None:
     if heads % groups:
         raise ValueError(
             f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
+
+
+# Why each low-rank mode refuses megatron's sequence parallelism (docs/design.md §2).
+_NO_SEQUENCE_PARALLEL = {
+    TPMode.NAIVE: (
+        "naive parallelises each bottleneck on its own (A column-, B row-parallel) around "
+        "attention, the activation and the norms on the replicated stream; megatron's sequence "
+        "parallelism needs the stream between a block's TP linears to be TP-sharded (heads, "
+        "ffn), so here every bottleneck would need its own all-gather and reduce-scatter"),
+    TPMode.BOOST: (
+        "boost's residual stream is already sharded along the hidden dimension, norms "
+        "included; there is no replicated region left to shard along the sequence"),
+}
+
+
+def resolve_sequence_parallel(mode, tp: int, requested: Optional[bool]) -> Tuple[bool, str]:
+    """(on, why) for ``parallel.sequence_parallel`` (null: on for full at tp > 1, as megatron
+    users run full-rank TP). Raises ValueError for ``true`` in naive or boost mode."""
+    mode = TPMode.parse(mode)
+    if mode is not TPMode.FULL:
+        if requested:
+            raise ValueError(
+                f"parallel.sequence_parallel (true) does not apply to {mode.value} mode: "
+                f"{_NO_SEQUENCE_PARALLEL[mode]}; set it to null or false")
+        return False, f"{mode.value} mode"
+    if tp == 1:
+        return False, "tp=1: nothing to shard"
+    if requested is False:
+        return False, "parallel.sequence_parallel=false (the BOOST paper's full-rank baseline)"
+    return True, ("parallel.sequence_parallel=true" if requested
+                  else "full mode at tp > 1 (megatron's default practice)")

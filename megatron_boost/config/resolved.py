@@ -16,15 +16,21 @@ import copy
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import yaml
 
 from megatron_boost.config.run import RunConfig
-from megatron_boost.config.modes import TPMode
+from megatron_boost.config.modes import TPMode, resolve_sequence_parallel
 from megatron_boost.config.transformer import BoostTransformerConfig
-from megatron_boost.runtime.backends import resolve_attention_backend, te_available
+from megatron_boost.runtime.backends import (
+    FusedKernels,
+    fused_kernels,
+    resolve_attention_backend,
+    resolve_fusions,
+    te_available,
+)
 
 __all__ = ["ResolvedRun", "resolve_run", "resolved_config_yaml", "resolve_device",
            "resolve_precision",
@@ -59,6 +65,13 @@ class ResolvedRun:
     padded_vocab_size: int
     """Rows of the embedding table and the output layer (:func:`padded_vocab_size`, or a
     checkpoint's rows for the conversion tools)."""
+    sequence_parallel: bool = False
+    """megatron's sequence parallelism on (``parallel.sequence_parallel`` resolved)."""
+    sequence_parallel_reason: str = ""
+    """Why on or off (printed in the trainer's banner)."""
+    fusions: Tuple[Tuple[str, bool, str], ...] = ()
+    """(megatron config field, on, why) of each device-dependent fusion
+    (``runtime.backends.resolve_fusions``; printed in the trainer's banner)."""
     process_groups: Any = None
     """megatron's ProcessGroupCollection of this rank; None: megatron's global groups."""
 
@@ -117,7 +130,7 @@ def run_vocab_size(cfg: RunConfig, tokenizer=None) -> int:
 
 def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
                 vocab_size: Optional[int] = None, padded_vocab: Optional[int] = None,
-                process_groups=None) -> ResolvedRun:
+                process_groups=None, kernels: Optional[FusedKernels] = None) -> ResolvedRun:
     """Resolve ``cfg`` (validated) for this process.
 
     Args:
@@ -128,11 +141,17 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
             padded for ``parallel.tp``.
         process_groups: megatron's ProcessGroupCollection; default: megatron's global groups
             if they exist.
+        kernels: the fused kernels that import; default: probed (none on the CPU).
     """
     device = resolve_device(device or cfg.training.device)
     backend, reason = resolve_attention_backend(cfg.model.attention_backend, device,
                                                 te_available())
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg, tokenizer)
+    sequence_parallel, sp_reason = resolve_sequence_parallel(cfg.parallel.mode, cfg.parallel.tp,
+                                                             cfg.parallel.sequence_parallel)
+    if kernels is None:
+        kernels = fused_kernels() if device == "cuda" else FusedKernels()
+    fusions = resolve_fusions(device, backend, kernels)
     if process_groups is None:
         from megatron.core import parallel_state
 
@@ -145,6 +164,8 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
         precision=resolve_precision(cfg.training.precision, device),
         attention_backend=backend, attention_reason=reason, vocab_size=vocab,
         padded_vocab_size=padded_vocab or padded_vocab_size(vocab, cfg.parallel.tp),
+        sequence_parallel=sequence_parallel, sequence_parallel_reason=sp_reason,
+        fusions=tuple((name, on, why) for name, (on, why) in fusions.items()),
         process_groups=process_groups)
 
 
@@ -188,14 +209,16 @@ def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels, tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
-        virtual_pipeline_model_parallel_size=par.vpp, tp_mode=mode, attn_rank=attn_rank,
+        virtual_pipeline_model_parallel_size=par.vpp, sequence_parallel=run.sequence_parallel,
+        tp_mode=mode, attn_rank=attn_rank,
         mlp_rank=mlp_rank, bottleneck_activation=m.bottleneck_activation,
         mlp_gate_activation=m.mlp_gate_activation, cola_init=m.cola_init,
         init_method_std=m.init_method_std, layernorm_epsilon=m.norm_epsilon,
         normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        # no biases and no dropout: nothing for the bias fusions to fuse
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, use_cpu_initialization=True,
@@ -209,6 +232,7 @@ def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:
         overlap_bottleneck_grad_reduce=par.overlap_bottleneck_grad_reduce,
         share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
     )
+    kwargs.update({name: on for name, on, _ in run.fusions})  # device and kernels (resolve_run)
     kwargs.update(extra)
     return BoostTransformerConfig(**kwargs)
 

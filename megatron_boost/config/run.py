@@ -108,6 +108,12 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (megatron's distributed optimizer)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient reduction with backward."""
+    sequence_parallel: Optional[bool] = None
+    """megatron's sequence parallelism (full mode only): the norms and the residual stream
+    between TP blocks are sharded along the sequence over the TP group (all-gather before a
+    block, reduce-scatter after it, in place of its all-reduce). null: on for full mode at
+    tp > 1, as megatron users run it; false: the BOOST paper's full-rank baseline (plain TP).
+    naive and boost refuse true (docs/design.md §2)."""
     overlap_bottleneck_grad_reduce: bool = True
     """Low-rank modes: run the backward all-reduce of each bottleneck's input gradient (boost:
     dz of the B factors; naive: dx of the A factors) asynchronously while the weight-gradient
@@ -149,6 +155,15 @@ class TrainingConfig:
     max_skipped_steps: int = 10
     """A step whose loss or gradients are not finite on any rank is skipped (no update; logged
     with ``skipped: true``); this many consecutive skips stop the run without saving."""
+    exit_interval: Optional[int] = None
+    """Stop, with a checkpoint and exit status 0, at the next iteration that is a multiple of
+    this (megatron-LM's --exit-interval); the learning-rate schedule stays that of the whole
+    budget, so a resumed run continues the uninterrupted one. null: never."""
+    exit_duration_minutes: Optional[float] = None
+    """Stop, with a checkpoint and exit status 0, at the first step boundary after this many
+    minutes since the launch started (megatron-LM's --exit-duration-in-mins): set it below the
+    job's wall-clock limit by the time of a save. Every rank agrees through the step's one
+    all-reduce. null: never."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_lowrank_recompute,
-                                          check_tp_split)
+                                          check_tp_split, resolve_sequence_parallel)
 from megatron_boost.runtime.backends import check_attention_backend
 
 __all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations",
@@ -42,7 +42,8 @@ _NON_NEGATIVE = ("optimizer.lr", "optimizer.min_lr", "optimizer.clip_grad",
                  "training.seed")
 _POSITIVE_OR_NULL = ("model.num_query_groups", "model.kv_channels", "model.attn_rank",
                      "model.mlp_rank", "parallel.vpp", "parallel.dp", "checkpoint.keep_last",
-                     "training.train_iters", "training.train_tokens", "logging.peak_tflops")
+                     "training.train_iters", "training.train_tokens", "logging.peak_tflops",
+                     "training.exit_interval", "training.exit_duration_minutes")
 # Adam's moment decay rates lie in [0, 1).
 _UNIT_INTERVAL = ("optimizer.adam_beta1", "optimizer.adam_beta2")
 _RECOMPUTE = (None, "selective", "full", "lowrank")
@@ -212,6 +213,12 @@ def _check_tp_split(cfg) -> None:
     refuse the layout before any rank starts, in one line from rank 0."""
     m, par = cfg.model, cfg.parallel
     mode = TPMode.parse(par.mode)
+    sequence_parallel, _ = resolve_sequence_parallel(mode, par.tp, par.sequence_parallel)
+    if sequence_parallel and m.seq_length % par.tp:
+        raise ValueError(
+            f"model.seq_length ({m.seq_length}) must be divisible by parallel.tp ({par.tp}) "
+            f"with sequence parallelism (each TP rank holds seq_length / tp positions); "
+            f"change either or set parallel.sequence_parallel=false")
     attn_rank, mlp_rank = m.resolved_ranks() if mode.is_lowrank else (None, None)
     check_tp_split(mode, par.tp, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
                    num_attention_heads=m.num_attention_heads,

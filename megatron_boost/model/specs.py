@@ -108,6 +108,8 @@ def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
     spec = copy.deepcopy(local_layer_spec(normalization="RMSNorm"))
     spec_submodules(spec.submodules.self_attention).core_attention = core_attention_class(backend)
     if config.tp_mode is TPMode.FULL:
+        if config.sequence_parallel:
+            _sequence_parallel_norms(spec)
         return spec
     spec.module = BottleneckTransformerLayer
     if config.tp_mode is TPMode.NAIVE:
@@ -117,6 +119,30 @@ def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
     else:
         _boost_slots(spec)  # boost's norms are fused into its bottlenecks: TE attention only
     return spec
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, as megatron's local spec builds it (``WrappedTorchNorm``), for a
+    sequence-parallel layer. Each TP rank normalises only its sequence shard, so the weight's
+    gradient is a partial sum: marking it ``sequence_parallel`` makes megatron's
+    ``finalize_model_grads`` all-reduce it over the TP group, as megatron's apex and TE norms
+    do. (``WrappedTorchNorm`` refuses sequence parallelism because it does not mark it.)"""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_ignored):
+        super().__init__(hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+
+def _sequence_parallel_norms(spec: ModuleSpec) -> None:
+    """The local spec's torch norms replaced by :class:`SequenceParallelRMSNorm`; megatron's
+    own norms that support sequence parallelism (apex's FusedLayerNorm, where installed) are
+    kept."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    sub = spec.submodules
+    for slot in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(sub, slot) is WrappedTorchNorm:
+            setattr(sub, slot, SequenceParallelRMSNorm)
 
 
 def te_norm() -> type:

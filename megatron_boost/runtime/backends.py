@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
 
 __all__ = ["package_version", "ATTENTION_BACKENDS", "check_attention_backend", "te_available",
-           "resolve_attention_backend"]
+           "resolve_attention_backend", "FusedKernels", "fused_kernels", "resolve_fusions",
+           "format_fusions"]
 
 #: Accepted values of ``model.attention_backend``.
 ATTENTION_BACKENDS = ("auto", "sdpa", "local", "te")
@@ -81,3 +83,87 @@ def package_version(module: str, dists: Sequence[str]) -> str:
         why = " ".join(str(err).split())[:120]
         return f"{version or 'installed'} (does not import: {type(err).__name__}: {why})"
     return version or getattr(mod, "__version__", None) or "installed (version unknown)"
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """Which of megatron's optional fused kernels import in this process."""
+
+    te: bool = False
+    """Transformer Engine (fused RoPE; its own layers fuse the rest)."""
+    wgrad_accumulation: bool = False
+    """apex's ``fused_weight_gradient_mlp_cuda`` (megatron's linears accumulate their weight
+    gradient into ``main_grad`` inside the GEMM)."""
+    masked_softmax: bool = False
+    """megatron's ``scaled_upper_triang_masked_softmax_cuda`` (FusedScaleMaskSoftmax)."""
+
+
+def _imports(module: str) -> bool:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception:  # ImportError, or OSError from missing CUDA libraries
+        return False
+    return True
+
+
+def fused_kernels() -> FusedKernels:
+    """Probe the fused kernels once (the entry point's ``resolve_run``)."""
+    return FusedKernels(te=te_available(),
+                        wgrad_accumulation=_imports("fused_weight_gradient_mlp_cuda"),
+                        masked_softmax=_imports("scaled_upper_triang_masked_softmax_cuda"))
+
+
+def resolve_fusions(device: str, attention_backend: str,
+                    kernels: FusedKernels) -> Dict[str, Tuple[bool, str]]:
+    """{megatron config field: (on, why)} for the fusions that depend on the device and the
+    kernels installed (the others stay off in ``config/resolved.py``: no biases, no dropout).
+
+    * ``gradient_accumulation_fusion``: megatron's column/row-parallel linears (the output
+      layer in every mode, TE's linears in its layer spec) need apex's wgrad kernel on CUDA.
+      The bottleneck factors are not among them: their gradients come from the bottleneck
+      layers' own GEMMs (fused over factors, ``parallel/mappings.py``) and reach ``main_grad``
+      through megatron's DDP hook;
+    * ``apply_rope_fusion``: megatron's fused RoPE is Transformer Engine's kernel (CUDA);
+    * ``masked_softmax_fusion``: only megatron's own attention (``local``) has a separate
+      softmax to fuse, with megatron's CUDA kernel; SDPA and TE fuse it inside their kernels;
+    * ``persist_layer_norm``: apex's persistent kernel is LayerNorm only; every mode here
+      normalises with RMSNorm.
+    """
+    cuda = device == "cuda"
+    if not cuda:
+        off = f"device {device}: the fused kernels are CUDA's"
+        out = {name: (False, off) for name in ("gradient_accumulation_fusion",
+                                               "apply_rope_fusion", "masked_softmax_fusion")}
+    else:
+        out = {
+            "gradient_accumulation_fusion": (
+                (True, "apex's fused_weight_gradient_mlp_cuda imports") if
+                kernels.wgrad_accumulation else
+                (False, "needs apex's fused_weight_gradient_mlp_cuda (megatron's linears)")),
+            "apply_rope_fusion": (
+                (True, "Transformer Engine's fused RoPE") if kernels.te else
+                (False, "megatron's fused RoPE is Transformer Engine's; it does not import")),
+            "masked_softmax_fusion": _masked_softmax(attention_backend, kernels),
+        }
+    out["persist_layer_norm"] = (False, "RMSNorm: apex's persistent kernel is LayerNorm only")
+    return out
+
+
+def _masked_softmax(attention_backend: str, kernels: FusedKernels) -> Tuple[bool, str]:
+    if attention_backend != "local":
+        return False, f"attention={attention_backend} fuses its softmax in its own kernel"
+    if kernels.masked_softmax:
+        return True, "megatron's scaled_upper_triang_masked_softmax_cuda imports"
+    return False, "needs megatron's scaled_upper_triang_masked_softmax_cuda kernel"
+
+
+def format_fusions(fusions) -> str:
+    """The run header's fusion field: each (name, on, why) as name=on|off, names sharing a
+    state and reason grouped under it."""
+    groups: Dict[Tuple[bool, str], list] = {}
+    for name, on, why in fusions:
+        groups.setdefault((on, why), []).append(name)
+    return "; ".join(f"{'+'.join(names)}={'on' if on else 'off'} ({why})"
+                     for (on, why), names in groups.items())

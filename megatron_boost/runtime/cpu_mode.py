@@ -73,6 +73,31 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+def _renamed(kwargs: dict, **names) -> dict:
+    return {names.get(k, k): v for k, v in kwargs.items()}
+
+
+def _backward_in_mode(mode: TorchFunctionMode, tensors, grad_tensors=None, retain_graph=None,
+                      create_graph: bool = False, inputs=None) -> None:
+    """``torch.autograd.backward`` with ``mode`` active for the whole pass. torch pops a mode
+    while its handler runs, and from torch 2.13 ``backward`` itself goes through the handler,
+    so the pass would run without the mode; but megatron allocates on the "CUDA" device in
+    backward functions too (the sequence-parallel reduce-scatter's output in
+    tensor_parallel's linear layers and mappings). So the pass is started here on autograd's
+    engine, as megatron's own ``custom_backward`` starts it, inside the mode."""
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+        grad_tensors = (grad_tensors,) * len(tensors)
+    grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grad_tensors))
+    for t, g in zip(tensors, grad_tensors):
+        if g is None and t.numel() != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+    with mode:
+        torch.autograd.Variable._execution_engine.run_backward(
+            tensors, grads, create_graph if retain_graph is None else retain_graph,
+            create_graph, tuple(inputs or ()), allow_unreachable=True, accumulate_grad=True)
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Maps CUDA devices in torch calls to the CPU while active.
 
@@ -93,6 +118,11 @@ class CudaToCpuMode(TorchFunctionMode):
             kwargs = dict(kwargs, device=_CPU)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
+        if func is torch.autograd.backward:
+            return _backward_in_mode(self, *args, **kwargs)
+        if func is torch.Tensor.backward:
+            tensor, *rest = args
+            return _backward_in_mode(self, tensor, *rest, **_renamed(kwargs, gradient="grad_tensors"))
         return func(*args, **kwargs)
 
 

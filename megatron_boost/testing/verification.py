@@ -50,6 +50,8 @@ class LayoutSpec:
     seed: int = 1234
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    sequence_parallel: Optional[bool] = None
+    """``parallel.sequence_parallel`` (null: on for full at TP > 1)."""
     step: bool = True
     """Also take one Adam step (clipping on) and compare the updated parameters."""
     corrupt: bool = False
@@ -75,6 +77,7 @@ def layout_run_config(spec: LayoutSpec):
     cfg.parallel.mode, cfg.parallel.tp, cfg.parallel.pp = spec.mode, spec.tp, spec.pp
     cfg.parallel.vpp = spec.vpp
     cfg.parallel.overlap_grad_reduce = spec.overlap_grad_reduce
+    cfg.parallel.sequence_parallel = spec.sequence_parallel
     cfg.parallel.use_distributed_optimizer = spec.use_distributed_optimizer
     cfg.training.seed = spec.seed
     cfg.training.precision = "fp32"  # the tolerances are fp32's, on the GPU too

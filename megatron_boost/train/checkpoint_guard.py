@@ -1,8 +1,10 @@
 """Crash-consistent checkpoint directories and the checks made before a checkpoint is read.
 
 Commit protocol (:func:`commit_checkpoint`): every rank writes its shards into
-``<save>/iter_XXXXXXX.tmp/``; once all have finished, rank 0 writes ``manifest.json`` (the
-size and CRC-32 of every file), fsyncs every file and the directory, renames the directory to
+``<save>/iter_XXXXXXX.tmp/``, then fsyncs and CRCs its own shard files (:func:`shard_entries`,
+all ranks at once, not rank 0 for all while the others wait); rank 0 gathers those entries,
+adds the small common files and writes ``manifest.json`` (the size and CRC-32 of every file),
+fsyncs the directory, renames the directory to
 ``iter_XXXXXXX`` (atomic on one file system), fsyncs ``<save>`` and only then replaces
 ``latest_checkpointed_iteration.txt`` (temp file, fsync, ``os.replace``, fsync). A crash at
 any point leaves the tracker naming the previous complete checkpoint; a leftover ``.tmp``
@@ -10,7 +12,8 @@ directory is never read and is removed by the next save (:func:`prune_checkpoint
 
 Checks before any tensor is read (each a ``ValueError`` naming the file, value and rule):
 :func:`read_tracker` (a number naming an existing checkpoint), :func:`verify_manifest` (no
-missing, truncated or corrupted shard), :func:`read_common_state` (loaded with
+missing, truncated or corrupted shard; with several ranks each checks only its own share,
+:func:`in_share`), :func:`read_common_state` (loaded with
 ``torch.load(weights_only=True)``), :func:`check_tensor_shapes` (every tensor the model
 expects exists with the same global shape; the first mismatch is named with both shapes),
 :func:`check_sharded_objects` (every object too, except a module's extra state the checkpoint
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -40,6 +44,7 @@ from typing import Dict, Iterable, List, Optional
 __all__ = [
     "TRACKER_FILE", "MANIFEST_FILE", "iter_dir_name",
     "temp_dir_for", "read_tracker", "write_manifest", "verify_manifest", "commit_checkpoint",
+    "in_share", "shard_entries",
     "prune_checkpoints", "read_common_state", "check_tensor_shapes", "check_architecture",
     "EXTRA_STATE_SUFFIX", "check_sharded_objects", "without_unsaved_extra_state",
 ]
@@ -124,21 +129,48 @@ def _files(ckpt_dir: Path) -> List[Path]:
     return sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
 
-def write_manifest(ckpt_dir: Path) -> None:
-    """Record every file's size and CRC-32 in ``manifest.json`` (fsyncing each file)."""
+#: torch_dist's shard files: ``__<writer rank>_<index>.distcp``.
+_SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def in_share(name: str, rank: int, world: int) -> bool:
+    """Whether rank ``rank`` of ``world`` handles checkpoint file ``name`` (relative path):
+    the shard files its own rank wrote (the writer's rank modulo ``world`` when the world
+    changed), and on rank 0 the rest (metadata and common state, small)."""
+    match = _SHARD_FILE.match(Path(name).name)
+    return (int(match.group(1)) % world if match else 0) == rank
+
+
+def shard_entries(ckpt_dir: Path, rank: int = 0, world: int = 1) -> Dict[str, dict]:
+    """Size and CRC-32 of this rank's share of ``ckpt_dir``'s files (:func:`in_share`), each
+    fsynced first: every rank's part of the manifest, computed in parallel."""
     entries = {}
     for path in _files(ckpt_dir):
-        _fsync_path(path)
-        entries[str(path.relative_to(ckpt_dir))] = {"bytes": path.stat().st_size,
-                                                    "crc32": _crc32(path)}
+        name = str(path.relative_to(ckpt_dir))
+        if in_share(name, rank, world):
+            _fsync_path(path)
+            entries[name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+    return entries
+
+
+def write_manifest(ckpt_dir: Path, entries: Optional[Dict[str, dict]] = None) -> None:
+    """Record every file's size and CRC-32 in ``manifest.json``: ``entries`` (the ranks'
+    :func:`shard_entries`) and, computed here, every file they do not cover."""
+    entries = dict(entries or {})
+    for path in _files(ckpt_dir):
+        name = str(path.relative_to(ckpt_dir))
+        if name not in entries:
+            _fsync_path(path)
+            entries[name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
     with open(ckpt_dir / MANIFEST_FILE, "w") as f:
-        json.dump({"files": entries}, f, indent=1)
+        json.dump({"files": dict(sorted(entries.items()))}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
 
-def verify_manifest(ckpt_dir: Path) -> None:
-    """``ValueError`` naming the first missing, truncated or corrupted file of a checkpoint."""
+def verify_manifest(ckpt_dir: Path, rank: int = 0, world: int = 1) -> None:
+    """``ValueError`` naming the first missing, truncated or corrupted file of a checkpoint,
+    among the files of this rank's share (:func:`in_share`; all of them with one rank)."""
     path = Path(ckpt_dir) / MANIFEST_FILE
     if not path.is_file():
         raise ValueError(f"checkpoint {ckpt_dir} has no {MANIFEST_FILE}: it was not committed "
@@ -149,6 +181,8 @@ def verify_manifest(ckpt_dir: Path) -> None:
         raise ValueError(f"checkpoint manifest {path} is corrupt (not the JSON it wrote)") \
             from None
     for name, want in files.items():
+        if not in_share(name, rank, world):
+            continue
         f = Path(ckpt_dir) / name
         if not f.is_file():
             raise ValueError(f"checkpoint file {f} is missing (listed in {MANIFEST_FILE})")
@@ -165,9 +199,11 @@ def verify_manifest(ckpt_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def commit_checkpoint(temp: Path, final: Path, iteration: int) -> None:
-    """Rank 0, after every rank's shards are in ``temp``: manifest, fsync, rename, tracker."""
-    write_manifest(temp)
+def commit_checkpoint(temp: Path, final: Path, iteration: int,
+                      entries: Optional[Dict[str, dict]] = None) -> None:
+    """Rank 0, after every rank's shards are in ``temp`` (and their ``entries``, when the
+    ranks computed them): manifest, fsync, rename, tracker."""
+    write_manifest(temp, entries)
     _fsync_path(temp)
     if final.exists():  # the same iteration saved again (e.g. a rerun): replace it whole
         shutil.rmtree(final)

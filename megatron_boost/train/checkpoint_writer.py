@@ -2,7 +2,8 @@
 of :mod:`megatron_boost.train.checkpoint_guard`.
 
 Synchronous (``checkpoint.async_save: false``): ``dist_checkpointing.save`` into the temp
-directory, then rank 0 commits (manifest, fsync, rename, tracker) while the others wait.
+directory; every rank fsyncs and CRCs its own shard files at once, and rank 0 commits with
+their entries (manifest, fsync, rename, tracker) while the others wait for that short part.
 
 Asynchronous (``checkpoint.async_save: true``): ``dist_checkpointing.save(...,
 async_sharded_save=True)`` with megatron's own ``mcore`` strategy (:func:`megatron_boost.compat.
@@ -27,6 +28,7 @@ from megatron_boost.train.checkpoint_guard import (
     commit_checkpoint,
     iter_dir_name,
     prune_checkpoints,
+    shard_entries,
     temp_dir_for,
 )
 from megatron_boost.train.resilience import TestHooks
@@ -61,8 +63,13 @@ class CheckpointWriter:
             import torch.distributed as dist
 
             self.hooks.before_commit()
-            if dist.get_rank() == 0:
-                commit_checkpoint(temp, self.save_dir / iter_dir_name(iteration), iteration)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            shares = [None] * world  # each rank's fsynced, CRC'd shard files, in parallel
+            dist.all_gather_object(shares, shard_entries(temp, rank, world))
+            if rank == 0:
+                entries = {name: e for share in shares for name, e in share.items()}
+                commit_checkpoint(temp, self.save_dir / iter_dir_name(iteration), iteration,
+                                  entries)
                 prune_checkpoints(self.save_dir, self.keep_last)
             dist.barrier()
         return commit

@@ -24,6 +24,7 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.transformer.module import Float16Module
@@ -183,11 +184,31 @@ def _read_saved_state(ckpt_dir: Path, load_optim: bool, distributed: bool) -> di
     return saved
 
 
+def verify_manifest_shared(ckpt_dir: Path) -> None:
+    """:func:`verify_manifest` split over the ranks (each checks its own share of the files,
+    ``in_share``), then agreed: every rank raises the first rank's error, so none goes on to
+    read while another stops."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        verify_manifest(ckpt_dir)
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error = None
+    try:
+        verify_manifest(ckpt_dir, rank, world)
+    except ValueError as err:
+        error = str(err)
+    errors = [None] * world
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise ValueError(first)
+
+
 def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg, weights_only: bool = False) -> dict:
     """Every check that can fail before a tensor is read: files against the manifest, the
     common state (format, optimizer kind unless ``weights_only``), each model tensor's global
     shape, and the settings that change no shape. Returns the checkpoint's ``boost_state``."""
-    verify_manifest(ckpt_dir)
+    verify_manifest_shared(ckpt_dir)
     load_optim = not (run_cfg.checkpoint.no_load_optim or weights_only)
     saved = _read_saved_state(ckpt_dir, load_optim, run_cfg.parallel.use_distributed_optimizer)
     model_sd = _model_sharded_state_dict(ddp_chunks)

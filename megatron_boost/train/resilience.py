@@ -2,7 +2,8 @@
 
 * Non-finite steps: :func:`agree_on_step` is the step's one all-reduce over the world and its
   one host read; it carries "this rank's loss and gradients are not finite", "this rank
-  received a pre-emption signal" and the loss, so a step any rank flags is skipped by every
+  received a pre-emption signal", "this rank's clock passed ``training.exit_duration_minutes``"
+  and the loss, so a step any rank flags is skipped by every
   rank (no optimizer step: parameters, Adam moments and step counts are untouched). The iteration and
   the data position still advance (the batch is consumed, the LR schedule is a function of
   the iteration). :class:`SkipBudget` stops the run at the ``training.max_skipped_steps``-th
@@ -172,15 +173,19 @@ class StepAgreement:
     """Every rank's losses (and gradients, where checked) are finite."""
     preempt: bool
     """Some rank received a pre-emption signal."""
+    time_up: bool
+    """Some rank's elapsed time passed ``training.exit_duration_minutes``."""
     loss: Optional[float]
     """Mean loss over the global batch; None where no rank reported one."""
 
 
 def agree_on_step(losses: List, grad_buffers: List, preempt_requested: bool,
-                  loss_reporter: bool, device) -> StepAgreement:
+                  loss_reporter: bool, device, time_up: bool = False) -> StepAgreement:
     """ONE all-reduce (SUM over the world) and ONE host read for the step: this rank's
     non-finite flag (its micro-batch ``losses`` and ``grad_buffers``), its pre-emption flag,
-    and, where ``loss_reporter`` (one rank per data-parallel replica: last pipeline stage, TP
+    its time-limit flag (``time_up``: each rank reads its own clock, so ranks may disagree by
+    a few milliseconds; the sum makes the first one that passes decide for all, at the same
+    step boundary, so no rank is left waiting in a collective), and, where ``loss_reporter`` (one rank per data-parallel replica: last pipeline stage, TP
     rank 0), its mean micro-batch loss with a count of one. Flags are small integers in fp32,
     exact; the loss is the replicas' sum divided by their count."""
     import torch
@@ -192,10 +197,11 @@ def agree_on_step(losses: List, grad_buffers: List, preempt_requested: bool,
     report = loss_reporter and len(losses) > 0
     loss = torch.stack(list(losses)).float().mean().to(device) if report else nonfinite.new_zeros(())
     flags = torch.stack([nonfinite, nonfinite.new_tensor(float(preempt_requested)), loss,
-                         nonfinite.new_tensor(float(report))])  # [4]
+                         nonfinite.new_tensor(float(report)),
+                         nonfinite.new_tensor(float(time_up))])  # [5]
     dist.all_reduce(flags)
-    bad, preempt, loss_sum, reporters = flags.tolist()
-    return StepAgreement(finite=bad == 0, preempt=preempt > 0,
+    bad, preempt, loss_sum, reporters, late = flags.tolist()
+    return StepAgreement(finite=bad == 0, preempt=preempt > 0, time_up=late > 0,
                          loss=loss_sum / reporters if reporters else None)
 
 

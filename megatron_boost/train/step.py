@@ -163,29 +163,33 @@ def _grad_buffers(ddp_chunks) -> list:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers]
 
 
-def _agree(losses, ddp_chunks, check_grads: bool, preempt_requested: bool) -> StepAgreement:
-    """The step's one all-reduce and host read (``agree_on_step``): finiteness, pre-emption and
-    the mean loss over the global batch, reported by one rank per data-parallel replica."""
+def _agree(losses, ddp_chunks, check_grads: bool, preempt_requested: bool,
+           time_up: bool = False) -> StepAgreement:
+    """The step's one all-reduce and host read (``agree_on_step``): finiteness, pre-emption,
+    the time limit and the mean loss over the global batch, reported by one rank per data-parallel replica."""
     reporter = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 and parallel_state.get_tensor_model_parallel_rank() == 0
                 and parallel_state.get_context_parallel_rank() == 0)
     device = next(ddp_chunks[0].parameters()).device
     return agree_on_step([l["lm loss"] for l in losses],
                          _grad_buffers(ddp_chunks) if check_grads else [], preempt_requested,
-                         reporter, device)
+                         reporter, device, time_up)
 
 
 def train_step(forward_step, data_iterators, ddp_chunks, optimizer, num_microbatches: int,
-               seq_length: int, micro_batch_size: int, preempt_requested: bool = False) -> dict:
+               seq_length: int, micro_batch_size: int, preempt_requested: bool = False,
+               time_up: bool = False) -> dict:
     """One optimizer step over ``num_microbatches`` micro-batches per DP rank.
 
-    Returns loss (mean over the global batch, on every rank), grad_norm, skipped and preempt.
+    Returns loss (mean over the global batch, on every rank), grad_norm, skipped, preempt and
+    time_up.
     Between the backward pass and the optimizer step ONE all-reduce over the world
     (:func:`~megatron_boost.train.resilience.agree_on_step`) carries every rank's
     non-finite flag (losses and gradient buffers), its pre-emption flag
     (``preempt_requested``) and the loss, read once on the host: a step any rank flags as
     non-finite is skipped by every rank (parameters and optimizer state stay untouched), and
-    ``preempt`` is True on every rank when any rank received a pre-emption signal. Besides it,
+    ``preempt`` (``time_up``) is True on every rank when any rank received a pre-emption
+    signal (passed ``training.exit_duration_minutes``: the caller's ``time_up``). Besides it,
     the optimizer's gradient norm is the step's only host read. The caller steps the
     learning-rate scheduler (before the step: iteration k runs at scheduler step k)."""
     for m in ddp_chunks:
@@ -193,8 +197,10 @@ def train_step(forward_step, data_iterators, ddp_chunks, optimizer, num_microbat
     optimizer.zero_grad()
     losses = _run_schedule(forward_step, data_iterators, ddp_chunks, num_microbatches,
                            seq_length, micro_batch_size, forward_only=False)
-    agreed = _agree(losses, ddp_chunks, check_grads=True, preempt_requested=preempt_requested)
-    out = {"loss": agreed.loss, "preempt": agreed.preempt, "skipped": not agreed.finite,
+    agreed = _agree(losses, ddp_chunks, check_grads=True, preempt_requested=preempt_requested,
+                    time_up=time_up)
+    out = {"loss": agreed.loss, "preempt": agreed.preempt, "time_up": agreed.time_up,
+           "skipped": not agreed.finite,
            "grad_norm": None}
     if agreed.finite:
         _, grad_norm, _ = optimizer.step()

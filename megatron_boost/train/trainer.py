@@ -20,7 +20,10 @@ checkpoint named there, or from ``checkpoint.load``; a new run may start from th
 (``config.resolved.resolved_config_yaml``: the vocabulary, device, precision and attention
 backend as used). Pre-emption (SIGTERM, SIGUSR1, SIGINT; ``train/preemption.py``): all ranks agree at the
 next step boundary, save, print ``pre-emption signal received, checkpoint saved at iteration
-N`` and exit with status 0.
+N`` and exit with status 0. The same clean stop ends a launch at ``training.exit_interval``
+(every multiple of it) and after ``training.exit_duration_minutes`` (agreed through the
+step's one all-reduce); neither changes the schedule, so the resumed run is the
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from megatron_boost.config.resolved import resolve_run, resolved_config, resolve
 from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.data.validation import validate_data_files
+from megatron_boost.runtime.backends import format_fusions
 from megatron_boost.train import step
 from megatron_boost.train.build import build_run
 from megatron_boost.train.checkpoint_guard import TRACKER_FILE, iter_dir_name
@@ -207,9 +211,11 @@ class Trainer:
         print0(f"megatron-boost: mode={par.mode} tp={par.tp} pp={par.pp} vpp={par.vpp} "
                f"dp={self.dp} world={dist.get_world_size()} device={self.device} "
                f"(training.device={t.device}) precision={self.run.precision} "
-               f"(training.precision={t.precision}) attention={attention} ({why}) | "
-               f"layers={m.num_layers} d={m.hidden_size} "
-               f"f={m.ffn_hidden_size} vocab={self.vocab} (padded {self.padded_vocab}) "
+               f"(training.precision={t.precision}) attention={attention} ({why}) "
+               f"sequence_parallel={'on' if self.run.sequence_parallel else 'off'} "
+               f"({self.run.sequence_parallel_reason}) | "
+               f"fusions: {format_fusions(self.run.fusions)} | layers={m.num_layers} "
+               f"d={m.hidden_size} f={m.ffn_hidden_size} vocab={self.vocab} (padded {self.padded_vocab}) "
                f"seq={seq} | params on rank 0: {n_params / 1e6:.2f}M | "
                f"global batch {gbs} = micro {t.micro_batch_size} × dp {self.dp} × "
                f"{self.num_microbatches} micro-batches | {self.train_iters} iterations "
@@ -317,11 +323,12 @@ class Trainer:
 
     def iteration(self) -> bool:
         """One iteration of the loop: train step, training log, checkpoint and exit decision.
-        Returns True when the loop must stop for a pre-emption signal."""
+        Returns True when the loop must stop early (pre-emption signal, exit interval or time
+        limit)."""
         out = self.train_step()
         self.training_log(out)
         self.skips.record(out["skipped"], self.state.iteration)
-        return self.checkpoint_and_decide_exit(out["preempt"])
+        return self.checkpoint_and_decide_exit(out)
 
     def train_step(self) -> dict:
         """One optimizer step; returns loss, grad_norm, skipped, preempt, lr and
@@ -344,7 +351,8 @@ class Trainer:
             out = step.train_step(self.train_forward_step, self.train_iterators, self.model,
                                   self.optimizer, self.num_microbatches,
                                   self.cfg.model.seq_length, t.micro_batch_size,
-                                  preempt_requested=preemption_requested())
+                                  preempt_requested=preemption_requested(),
+                                  time_up=self._past_exit_duration())
         if logged:
             self._synchronize()
         self.window.add(out["loss"], time.perf_counter() - t0,
@@ -391,8 +399,18 @@ class Trainer:
                                                  * self.cfg.model.seq_length),
                           num_microbatches=self.num_microbatches, local_layers=layers,
                           has_embedding=has("pre_process"), has_head=has("post_process"),
-                          full_recompute=self.cfg.training.recompute == "full"))
+                          full_recompute=self.cfg.training.recompute == "full",
+                          sequence_parallel=self.run.sequence_parallel))
         return comm["fwd"] + comm["bwd"]
+
+    def _elapsed_minutes(self) -> float:
+        return (time.perf_counter() - self.t_start) / 60.0
+
+    def _past_exit_duration(self) -> bool:
+        """Whether this rank's clock has passed ``training.exit_duration_minutes`` (the ranks
+        agree on it in the step's all-reduce)."""
+        limit = self.cfg.training.exit_duration_minutes
+        return limit is not None and self._elapsed_minutes() > limit
 
     def _synchronize(self) -> None:
         if self.device == "cuda":
@@ -465,20 +483,35 @@ class Trainer:
                   for _ in range(self.eval_iters)]
         return sum(losses) / len(losses)  # each is on every rank (train/step.py)
 
-    def checkpoint_and_decide_exit(self, preempt: bool) -> bool:
-        """Save at the save interval; on a pre-emption signal the ranks agreed on in this
-        step (``preempt``) save (once) and ask the loop to stop."""
+    def checkpoint_and_decide_exit(self, out: dict) -> bool:
+        """Save at the save interval; on a reason to stop early that every rank agreed on in
+        this step (a pre-emption signal, the time limit: both in ``out``; the exit interval:
+        the iteration itself) save (once) and ask the loop to stop."""
         it, interval = self.state.iteration, self.cfg.checkpoint.save_interval
         if interval and it % interval == 0:
             self.save()
-        if it >= self.train_iters or not preempt:
+        reason = self._early_exit_reason(out)
+        if it >= self.train_iters or reason is None:
             return False
         if self.last_saved != it:
             self.save()
         self.writer.close()  # the checkpoint is committed before the process exits
-        print0(f"pre-emption signal received, checkpoint saved at iteration {it} "
-               f"({signal_name()}; exiting with status {PREEMPT_EXIT_CODE})")
+        what, why = reason
+        print0(f"{what}, checkpoint saved at iteration {it} "
+               f"({why}; exiting with status {PREEMPT_EXIT_CODE})")
         return True
+
+    def _early_exit_reason(self, out: dict) -> Optional[tuple]:
+        """(what, why) the loop stops after this iteration before its budget, or None."""
+        t, it = self.cfg.training, self.state.iteration
+        if out["preempt"]:
+            return "pre-emption signal received", signal_name()
+        if out["time_up"]:
+            return ("time limit reached", f"{self._elapsed_minutes():.2f} minutes since the "
+                    f"launch > training.exit_duration_minutes={t.exit_duration_minutes:g}")
+        if t.exit_interval and it % t.exit_interval == 0:
+            return "exit interval reached", f"training.exit_interval={t.exit_interval}"
+        return None
 
     def save(self) -> None:
         """Save this iteration (in the background with ``checkpoint.async_save``); logs how

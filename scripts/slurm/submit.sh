@@ -18,18 +18,26 @@
 # the job id, is printed). Run it from the repository root, on the shared filesystem the
 # nodes see, inside the environment (or with PYTHON_ENV set, as pretrain.sbatch honours it).
 #
+# Also checked: the launcher's own settings (`pretrain.sbatch --check-settings`: SRUN_ARGS,
+# GLOO_SOCKET_IFNAME, NPROC_PER_NODE) and that --cpus-per-task, when given, leaves each of the
+# node's processes a CPU.
+#
 # Options that take a separate value are recognised (--nodes 2, -N 2, --time 1:00:00, ...);
 # others must be written --option=value. Environment: NPROC_PER_NODE, MBOOST_DEVICE (default
-# cuda; cpu for a CPU cluster), PYTHON_ENV, and everything pretrain.sbatch reads.
+# cuda; cpu for a CPU cluster), PYTHON_ENV, and everything pretrain.sbatch reads (SRUN_ARGS,
+# TORCHRUN, the network settings).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 SBATCH_SCRIPT=scripts/slurm/pretrain.sbatch
 
 fail() { echo "error: $*" >&2; exit 2; }
 
+bash "$SBATCH_SCRIPT" --check-settings || exit 2
+
 OPTS=()
 NODES=1
 GPUS=
+CPUS_PER_TASK=
 while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do
     opt=$1; shift
     case "$opt" in
@@ -51,6 +59,9 @@ while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do
             n=${val##*:}
             [ "$n" -gt 0 ] 2>/dev/null || fail "--gpus-per-node '$val' must be N or TYPE:N with N > 0"
             GPUS=$n ;;
+        -c|--cpus-per-task)
+            [ "$val" -gt 0 ] 2>/dev/null || fail "--cpus-per-task '$val' must be a positive number of CPUs"
+            CPUS_PER_TASK=$val ;;
         --gres)
             case "$val" in
                 gpu:*) n=${val##*:}
@@ -76,6 +87,9 @@ else
     fail "no GPUs requested: give --gpus-per-node=N (or --gres=gpu:N), or MBOOST_DEVICE=cpu [NPROC_PER_NODE=N] for a CPU cluster"
 fi
 WORLD=$(( NODES * NPROC ))
+if [ -n "$CPUS_PER_TASK" ] && [ "$CPUS_PER_TASK" -lt "$NPROC" ]; then
+    fail "--cpus-per-task $CPUS_PER_TASK gives the node's $NPROC processes fewer than one CPU each (the launcher runs one task per node): ask for at least $NPROC, or omit it to get the allocation's CPUs"
+fi
 
 PY=python
 if [ -n "${PYTHON_ENV:-}" ]; then
