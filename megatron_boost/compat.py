@@ -20,6 +20,9 @@ is handled here:
   megatron's own ``mcore`` strategy and :func:`async_calls_queue` returns its matching queue.
 * the distributed-optimizer reload defects (docs/design.md §10.5): which versions have which
   (:func:`optimizer_reload_defects`).
+* megatron's parameter groups (``_get_param_groups``, what its own Muon builds on): 0.19 no
+  longer fills in the standard weight-decay overrides when none are passed; the 2-D weights
+  Muon takes get weight decay either way (:func:`optimizer_param_groups`).
 
 Differences that need no branch, because one call serves every version: the checkpoint's
 common state moved from ``common.pt`` into the torch_dist shards in 0.17 (megatron's
@@ -40,7 +43,7 @@ __all__ = ["SUPPORTED_MEGATRON", "megatron_version", "megatron_supported",
            "check_megatron_version", "spec_submodules", "local_layer_spec", "te_layer_spec",
            "linear_with_dgrad_allreduce", "forward_backward_func", "save_sharded",
            "load_sharded", "async_calls_queue", "ASYNC_SAVE_STRATEGY",
-           "optimizer_reload_defects", "null_tokenizer"]
+           "optimizer_reload_defects", "null_tokenizer", "optimizer_param_groups"]
 
 #: The megatron-core versions megatron-boost is tested with (pyproject.toml says the same).
 SUPPORTED_MEGATRON = ">=0.16,<0.20"
@@ -220,3 +223,17 @@ def optimizer_reload_defects(version: Optional[str] = None) -> FrozenSet[str]:
     """The reload defects (see ``_DEFECTS``) megatron-core (or ``version``) has."""
     release = megatron_version(version)[:2]
     return frozenset(name for name, (first, end) in _DEFECTS.items() if first <= release < end)
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer parameter groups (train/muon.py)
+# --------------------------------------------------------------------------------------------
+
+
+def optimizer_param_groups(model_chunks, config) -> list:
+    """megatron's parameter groups of the chunks' trainable parameters (``lr``/``wd`` multipliers,
+    ``max_lr``, ``min_lr``: what the learning-rate scheduler reads), as its own Muon builds
+    them. Private in every supported version, with the same signature."""
+    from megatron.core.optimizer import _get_param_groups
+
+    return _get_param_groups(model_chunks, config, None)

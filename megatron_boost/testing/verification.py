@@ -50,6 +50,10 @@ class LayoutSpec:
     """Also take one Adam step (clipping on) and compare the updated parameters."""
     corrupt: bool = False
     """Negative control: perturb one parameter shard before running."""
+    optimizer: Dict = field(default_factory=dict)
+    """Overrides of the optimizer section (OptimizerConfig field names), e.g. name: muon."""
+    steps: int = 1
+    """Optimizer steps on the same global batch; updates are compared after the last."""
 
 
 def layout_run_config(spec: LayoutSpec):
@@ -69,8 +73,9 @@ def layout_run_config(spec: LayoutSpec):
     cfg.training.seed = spec.seed
     cfg.training.micro_batch_size = spec.micro_batch_size
     cfg.training.global_batch_size = spec.global_batch_size
-    cfg.optimizer = OptimizerConfig(lr=1e-2, min_lr=1e-3, warmup_iters=0, weight_decay=0.1,
-                                    adam_eps=1e-3, clip_grad=0.05)
+    cfg.optimizer = OptimizerConfig(**{**asdict(OptimizerConfig(
+        lr=1e-2, min_lr=1e-3, warmup_iters=0, weight_decay=0.1, adam_eps=1e-3,
+        clip_grad=0.05)), **spec.optimizer})
     return cfg.validate()
 
 
@@ -131,9 +136,10 @@ def run_layout(rank: int, world: int, spec: LayoutSpec, reference: Optional[dict
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     micro = layout_batches(spec, cfg.model.vocab_size, dp, dp_rank)
-    iterators = [iter(list(micro)) for _ in built.chunks]
-    result = train_step(built.forward_step, iterators, built.chunks, built.optimizer,
-                        len(micro), spec.seq_length, spec.micro_batch_size)
+    for _ in range(spec.steps):
+        iterators = [iter(list(micro)) for _ in built.chunks]
+        result = train_step(built.forward_step, iterators, built.chunks, built.optimizer,
+                            len(micro), spec.seq_length, spec.micro_batch_size)
     grads = {key: param.main_grad.detach().clone() for key, _, _, param in entries}
     after = {key: param.detach().clone() for key, _, _, param in entries}
     updates = {k: after[k] - before[k] for k in after}
@@ -174,7 +180,8 @@ def reference_spec(spec: LayoutSpec) -> LayoutSpec:
     return LayoutSpec(mode="full" if spec.mode == "full" else "naive", tp=1, pp=1, vpp=None,
                       model=dict(spec.model), seq_length=spec.seq_length,
                       micro_batch_size=spec.micro_batch_size,
-                      global_batch_size=spec.global_batch_size, seed=spec.seed)
+                      global_batch_size=spec.global_batch_size, seed=spec.seed,
+                      optimizer=dict(spec.optimizer), steps=spec.steps)
 
 
 def run_many(rank: int, world: int, jobs):
