@@ -94,18 +94,21 @@ class BoostMuon(torch.optim.Optimizer):
 
     Per parameter: decoupled weight decay ``p ← p·(1 − lr·wd)``; momentum
     ``m ← β·m + (1 − β)·g``; the update direction ``g + β·(m − g)`` (Nesterov) or ``m``; then
-    its global orthogonalisation (see the module docstring), scaled, times ``lr``. A group's
-    ``factor_rows`` (global rows of each projection, or None) splits a grouped A.
+    its global orthogonalisation (see the module docstring), scaled, times ``lr``.
 
     Args:
         param_groups: megatron's parameter groups (``lr``, ``weight_decay`` set per step by the
-            scheduler), each with ``factor_rows``.
+            scheduler). They stay megatron's: its checkpoint loader matches groups by their
+            multipliers, so a group per split would be confused on resume.
+        factor_rows: ``id`` of a grouped A parameter -> the global rows of its projections.
         tp_group: the group TP-sharded parameters (``partition_dim``) are sharded over.
     """
 
-    def __init__(self, param_groups, *, tp_group, momentum: float, nesterov: bool,
-                 ns_steps: int, ns_coefficients: str, scale_rule: str, extra_scale: float):
+    def __init__(self, param_groups, *, factor_rows: Dict[int, Tuple[int, ...]], tp_group,
+                 momentum: float, nesterov: bool, ns_steps: int, ns_coefficients: str,
+                 scale_rule: str, extra_scale: float):
         super().__init__(param_groups, dict(lr=0.0, weight_decay=0.0))
+        self.factor_rows = factor_rows
         self.tp_group = tp_group
         self.tp_size = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
@@ -127,7 +130,7 @@ class BoostMuon(torch.optim.Optimizer):
                 grad = p.grad.to(p.dtype)
                 momentum.lerp_(grad, 1 - self.momentum)
                 direction = grad.lerp(momentum, self.momentum) if self.nesterov else momentum
-                update = self.orthogonal_update(p, direction, group["factor_rows"])
+                update = self.orthogonal_update(p, direction, self.factor_rows.get(id(p)))
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(update.to(p.dtype), alpha=-group["lr"])
 
@@ -178,9 +181,10 @@ def muon_params(ddp_chunks) -> List[torch.Tensor]:
             and not getattr(p, "is_embedding_or_output_parameter", False)]
 
 
-def _global_factor_rows(ddp_chunks) -> Dict[torch.Tensor, Tuple[int, ...]]:
-    """Grouped A parameter -> its projections' global row counts, read through the layers'
-    ``factors("A")`` views and the parameter's ``partition_dim`` (naive shards the rows)."""
+def _global_factor_rows(ddp_chunks) -> Dict[int, Tuple[int, ...]]:
+    """id of each grouped A parameter -> its projections' global row counts, read through the
+    layers' ``factors("A")`` views and the parameter's ``partition_dim`` (naive shards the
+    rows). Global, so a checkpoint of any TP size resumes."""
     rows = {}
     for chunk in ddp_chunks:
         for module in chunk.modules():
@@ -188,20 +192,20 @@ def _global_factor_rows(ddp_chunks) -> Dict[torch.Tensor, Tuple[int, ...]]:
                 a = module.A
                 split_rows = getattr(a, "tensor_model_parallel", False) and a.partition_dim == 0
                 scale = module.tp_size if split_rows else 1
-                rows[a] = tuple(f.shape[0] * scale for f in module.factors("A"))
+                rows[id(a)] = tuple(f.shape[0] * scale for f in module.factors("A"))
     return rows
 
 
-def _split_by_factor_rows(groups: List[dict], factor_rows) -> List[dict]:
-    """megatron's parameter groups, each split so that its parameters share ``factor_rows``."""
-    out = []
-    for group in groups:
-        by_rows: Dict[Optional[tuple], list] = {}
-        for p in group["params"]:
-            by_rows.setdefault(factor_rows.get(p), []).append(p)
-        # Every rank (and every layout: the rows are global) gets its groups in one order.
-        for rows in sorted(by_rows, key=lambda r: (r is not None, r or ())):
-            out.append({**group, "params": by_rows[rows], "factor_rows": rows})
+def _main_param_rows(wrapped, rows: Dict[int, Tuple[int, ...]]) -> Dict[int, Tuple[int, ...]]:
+    """``rows`` keyed by the optimizer's parameters: megatron's bf16 wrapper steps fp32 main
+    copies of the bf16 parameters (its ``float16_groups`` and ``fp32_from_float16_groups`` are
+    aligned)."""
+    out = dict(rows)
+    for model_group, main_group in zip(getattr(wrapped, "float16_groups", []),
+                                       getattr(wrapped, "fp32_from_float16_groups", [])):
+        for model_param, main_param in zip(model_group, main_group):
+            if id(model_param) in rows:
+                out[id(main_param)] = rows[id(model_param)]
     return out
 
 
@@ -229,14 +233,16 @@ def build_muon_optimizer(opt_config, ddp_chunks, settings, tp_group=None) -> Cha
     others = [p for chunk in ddp_chunks for p in chunk.parameters()
               if p.requires_grad and id(p) not in chosen]
     with _frozen(others):
-        groups = _split_by_factor_rows(optimizer_param_groups(ddp_chunks, opt_config),
-                                       _global_factor_rows(ddp_chunks))
-    optimizer = BoostMuon(groups, tp_group=tp_group, momentum=settings.muon_momentum,
-                     nesterov=settings.muon_nesterov, ns_steps=settings.muon_ns_steps,
-                     ns_coefficients=settings.muon_ns_coefficients,
-                     scale_rule=settings.muon_scale, extra_scale=settings.muon_extra_scale)
+        groups = optimizer_param_groups(ddp_chunks, opt_config)
+    rows = _global_factor_rows(ddp_chunks)
+    optimizer = BoostMuon(groups, factor_rows=rows, tp_group=tp_group,
+                          momentum=settings.muon_momentum, nesterov=settings.muon_nesterov,
+                          ns_steps=settings.muon_ns_steps,
+                          ns_coefficients=settings.muon_ns_coefficients,
+                          scale_rule=settings.muon_scale, extra_scale=settings.muon_extra_scale)
     wrapped = (Float16OptimizerWithFloat16Params(optimizer, opt_config, None, _init_momentum)
                if opt_config.bf16 else FP32Optimizer(optimizer, opt_config, _init_momentum))
+    optimizer.factor_rows = _main_param_rows(wrapped, rows)
     with _frozen(muon):
         adam = get_megatron_optimizer(opt_config, ddp_chunks)
     return ChainedOptimizer([wrapped] + list(getattr(adam, "chained_optimizers", [adam])))
