@@ -298,7 +298,8 @@ def _resume(muon_run, tmp_path, nproc, extra=()):
 
 
 def test_muon_run_trains(muon_run):
-    _, _, run_dir, _ = muon_run
+    _, _, run_dir, proc = muon_run
+    assert "optimizer=muon" in proc.stdout
     got = losses(run_dir)
     assert sorted(got) == [1, 2, 3, 4] and got[4] < got[1], got
 
@@ -320,3 +321,11 @@ def test_muon_checkpoint_reshards_tp2_to_tp1(muon_run, tmp_path):
     ref, got = _resume(muon_run, tmp_path, nproc=1)
     for it in (3, 4):
         assert got[it] == pytest.approx(ref[it], rel=tol), (it, got[it], ref[it])
+
+
+@pytest.mark.fast
+def test_environment_report_names_muon():
+    from megatron_boost.cli.env import environment_report
+
+    rows = dict(environment_report()[0])
+    assert "BoostMuon" in rows["optimizer.name: muon"]
