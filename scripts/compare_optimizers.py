@@ -113,7 +113,12 @@ def best(runs, mode, optimizer):
     """The run of (mode, optimizer) with the lowest final validation perplexity."""
     done = [r for r in runs if r["mode"] == mode and r["optimizer"] == optimizer
             and r.get("val_ppl")]
-    return min(done, key=lambda r: r["val_ppl"][max(r["val_ppl"])], default=None)
+    return min(done, key=final_ppl, default=None)
+
+
+def final_ppl(run) -> float:
+    """The last evaluation's perplexity (iterations are strings once read back from JSON)."""
+    return run["val_ppl"][max(run["val_ppl"], key=int)]
 
 
 def table(results: dict) -> str:
@@ -130,8 +135,8 @@ def table(results: dict) -> str:
                "  ".join(f"@{it}: {p:8.2f}" for it, p in sorted(r["val_ppl"].items(),
                                                                 key=lambda kv: int(kv[0]))))
         lines.append(f"{r['mode']:<6} {r['optimizer']:<9} {r['lr']:>8g}   {ppl}")
-    lines += ["", "best of each (lowest final validation ppl), and the step time on this "
-              "machine (mean of the timed steps; optimizer step's share):",
+    lines += ["", "best run of each (lowest final validation ppl among its learning rates), and "
+              "the step time on this machine (mean of the timed steps; optimizer step's share):",
               f"{'mode':<6} {'optimizer':<9} {'best lr':>8} {'final ppl':>10} "
               f"{'step ms':>9} {'optimizer ms':>13} {'share':>6}"]
     for mode in results["modes"]:
@@ -139,7 +144,7 @@ def table(results: dict) -> str:
             b = best(runs, mode, optimizer)
             tm = timing.get(f"{mode}-{optimizer}")
             lr = f"{b['lr']:g}" if b else "-"
-            final = f"{b['val_ppl'][max(b['val_ppl'])]:.2f}" if b else "-"
+            final = f"{final_ppl(b):.2f}" if b else "-"
             step = f"{tm['step_s'] * 1e3:.0f}" if tm else "-"
             opt = f"{tm['optimizer_s'] * 1e3:.0f}" if tm else "-"
             share = f"{tm['optimizer_s'] / tm['step_s']:.0%}" if tm else "-"

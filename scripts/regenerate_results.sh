@@ -45,7 +45,7 @@ for item in $what; do
       # AdamW vs Muon on the demo corpus, best of 3 learning rates each, boost and full rank:
       # 12 training runs of the demo (about an hour on 2 quiet CPU cores).
       scripts/demo_data.sh
-      python scripts/compare_optimizers.py --out "$out/optimizers" ;;
+      python scripts/compare_optimizers.py --out "$out/optimizers" ;;  # optimizers.json, optimizers.txt
     precision)
       python tools/precision_check.py --config configs/debug.yaml --tp 2 \
         > "$out/precision-debug-tp2.txt" ;;
