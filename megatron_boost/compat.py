@@ -22,6 +22,9 @@ is handled here:
   (:func:`optimizer_reload_defects`).
 * ``BlendedDataset`` with a cache path calls ``torch.distributed.get_rank()`` without checking
   for a process group before 0.19 (0.16 seen; 0.19 checks): :func:`rank_zero_without_process_group`.
+* megatron's parameter groups (``_get_param_groups``, what its own Muon builds on): 0.19 no
+  longer fills in the standard weight-decay overrides when none are passed; the 2-D weights
+  Muon takes get weight decay either way (:func:`optimizer_param_groups`).
 
 megatron knowledge that is the same in every supported version, kept here with why:
 
@@ -51,7 +54,7 @@ __all__ = ["SUPPORTED_MEGATRON", "megatron_version", "megatron_supported",
            "linear_with_dgrad_allreduce", "forward_backward_func", "save_sharded",
            "load_sharded", "async_calls_queue", "ASYNC_SAVE_STRATEGY",
            "optimizer_reload_defects", "null_tokenizer", "rank_zero_without_process_group",
-           "with_one_rank_tp"]
+           "with_one_rank_tp", "optimizer_param_groups"]
 
 #: The megatron-core versions megatron-boost is tested with (pyproject.toml says the same).
 SUPPORTED_MEGATRON = ">=0.16,<0.20"
@@ -265,3 +268,17 @@ def with_one_rank_tp(pgs, one_rank_group):
     if hasattr(pgs, "tp_cp"):
         out.tp_cp = pgs.cp if hasattr(pgs, "cp") else one_rank_group
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer parameter groups (train/muon.py)
+# --------------------------------------------------------------------------------------------
+
+
+def optimizer_param_groups(model_chunks, config) -> list:
+    """megatron's parameter groups of the chunks' trainable parameters (``lr``/``wd`` multipliers,
+    ``max_lr``, ``min_lr``: what the learning-rate scheduler reads), as its own Muon builds
+    them. Private in every supported version, with the same signature."""
+    from megatron.core.optimizer import _get_param_groups
+
+    return _get_param_groups(model_chunks, config, None)

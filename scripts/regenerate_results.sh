@@ -3,7 +3,8 @@
 # the generated blocks of README.md and docs/*.md (scripts/render_docs.py).
 #   scripts/regenerate_results.sh                 # everything (about 10 minutes on 2 CPU cores)
 #   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision, demo,
-#                                                 # paper (the paper table's CPU dry run), ckpt
+#                                                 # paper (the paper table's CPU dry run), ckpt,
+#                                                 # optimizers
 # `demo` runs scripts/demo.sh (set-up included: run it in a fresh clone to time a new user's
 # first command) and keeps its key lines in docs/results/demo.txt.
 # The CPU benchmark measures ratios side by side in one sitting; run it on a quiet machine.
@@ -46,10 +47,15 @@ for item in $what; do
         grep -E 'validation @|^done:|^summary:' "$log"
         sed -n '/sampling from the trained model/,/exporting it as/{/exporting it as/!p}' "$log"
         grep -E '^verification:|done in [0-9]+s' "$log"; } > "$out/demo.txt" ;;
+    optimizers)
+      # AdamW vs Muon on the demo corpus, best of 3 learning rates each, boost and full rank:
+      # 12 training runs of the demo (about an hour on 2 quiet CPU cores).
+      scripts/demo_data.sh
+      python scripts/compare_optimizers.py --out "$out/optimizers" ;;  # optimizers.json, optimizers.txt
     precision)
       python tools/precision_check.py --config configs/debug.yaml --tp 2 \
         > "$out/precision-debug-tp2.txt" ;;
-    *) echo "error: unknown item '$item' (known: bench comm perf precision demo)" >&2; exit 2 ;;
+    *) echo "error: unknown item '$item' (known: bench comm perf precision demo optimizers)" >&2; exit 2 ;;
   esac
 done
 python scripts/render_docs.py

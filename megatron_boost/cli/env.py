@@ -63,6 +63,11 @@ def _device() -> Tuple[str, str]:
     return "cpu", f"CUDA is unusable: {why_not} (CPU mode, gloo)"
 
 
+#: What ``optimizer.name: muon`` builds (train/muon.py); it needs no package beyond the above.
+MUON_ROW = ("megatron_boost.train.muon.BoostMuon for the 2-D weights (each projection's "
+            "global matrix), the AdamW above for embeddings, output head and norms")
+
+
 def _optimizer_class() -> str:
     """The class megatron's get_megatron_optimizer builds for ``optimizer: adam``: its module
     chooses ``Adam`` at import (TE's FusedAdam, else apex's, else torch's) and, with torch's,
@@ -94,6 +99,7 @@ def environment_report() -> Tuple[List[Tuple[str, str]], bool]:
     rows.append(("attention (attention_backend: auto)", f"{backend} ({reason})"))
     if mcore_text != "not installed":
         rows.append(("optimizer (get_megatron_optimizer)", _optimizer_class()))
+        rows.append(("optimizer.name: muon", MUON_ROW))
     return rows, mcore_ok
 
 

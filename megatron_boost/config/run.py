@@ -168,8 +168,13 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
-    """Adam with warmup, then cosine, linear or warmup-stable-decay (WSD) decay."""
+    """AdamW (or Muon for the 2-D weights) with warmup, then cosine, linear or
+    warmup-stable-decay (WSD) decay."""
 
+    name: str = "adamw"
+    """adamw: megatron's AdamW for every parameter. muon: Muon (orthogonalised momentum, each
+    projection's global matrix, train/muon.py) for every 2-D factor A_p, B_p and full mode's
+    weight matrices; AdamW for the embeddings, the output head and the norm weights."""
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr: float = 1e-4
@@ -190,7 +195,7 @@ class OptimizerConfig:
     lr_wsd_decay_style: str = "linear"
     """wsd only: shape of the final decay: linear, cosine, exponential or minus_sqrt."""
     weight_decay: float = 0.01
-    """Decoupled weight decay (AdamW)."""
+    """Decoupled weight decay p ← p·(1 − lr·wd), for AdamW's and Muon's parameters alike."""
     adam_beta1: float = 0.9
     """Adam β1."""
     adam_beta2: float = 0.95
@@ -199,6 +204,21 @@ class OptimizerConfig:
     """Adam ε."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables."""
+    muon_momentum: float = 0.95
+    """Muon's momentum β, in [0, 1): m ← β·m + (1 − β)·g."""
+    muon_nesterov: bool = True
+    """Muon orthogonalises the Nesterov direction g + β·(m − g) instead of m."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per update (>= 1)."""
+    muon_ns_coefficients: str = "jordan"
+    """Newton-Schulz coefficients: jordan (one quintic, Jordan 2024) or tuned5 (one set per
+    step, tuned for five steps)."""
+    muon_scale: str = "spectral"
+    """Scale of an orthogonalised [m, n] update: spectral √max(m, n) (with muon_extra_scale
+    0.2 the update's RMS matches AdamW's, so optimizer.lr serves both; Liu et al. 2025),
+    shape √max(1, m/n) (Jordan 2024) or unit_rms √(m/n)."""
+    muon_extra_scale: float = 0.2
+    """Factor on every Muon update after the scale rule (> 0)."""
 
 
 @dataclass

@@ -122,6 +122,7 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_modes(cfg)
     _check_bottlenecks(cfg)
     _check_wandb(cfg)
+    _check_optimizer(cfg)
     if world_size is None:
         _check_tp_split(cfg)
         return
@@ -246,6 +247,40 @@ def _check_modes(cfg) -> None:
     if t.recompute not in _RECOMPUTE:
         raise ValueError(f"training.recompute ({t.recompute!r}) must be null, "
                          f"selective, full or lowrank")
+
+
+_OPTIMIZERS = ("adamw", "muon")
+# The names train/muon.py implements (NS_COEFFICIENTS, SCALE_RULES); config sits below train.
+_NS_COEFFICIENTS = ("jordan", "tuned5")
+_MUON_SCALES = ("spectral", "shape", "unit_rms")
+
+
+def _check_optimizer(cfg) -> None:
+    o = cfg.optimizer
+    if o.name not in _OPTIMIZERS:
+        raise ValueError(f"optimizer.name ({o.name!r}) must be adamw or muon")
+    if o.name != "muon":
+        return
+    if not 0 <= o.muon_momentum < 1:
+        raise ValueError(f"optimizer.muon_momentum ({o.muon_momentum}) must be in [0, 1) "
+                         f"(typical: 0.95)")
+    if o.muon_ns_steps < 1:
+        raise ValueError(f"optimizer.muon_ns_steps ({o.muon_ns_steps}) must be >= 1 "
+                         f"(typical: 5)")
+    if o.muon_ns_coefficients not in _NS_COEFFICIENTS:
+        raise ValueError(f"optimizer.muon_ns_coefficients ({o.muon_ns_coefficients!r}) must "
+                         f"be one of {', '.join(_NS_COEFFICIENTS)}")
+    if o.muon_scale not in _MUON_SCALES:
+        raise ValueError(f"optimizer.muon_scale ({o.muon_scale!r}) must be one of "
+                         f"{', '.join(_MUON_SCALES)}")
+    if not o.muon_extra_scale > 0:
+        raise ValueError(f"optimizer.muon_extra_scale ({o.muon_extra_scale}) must be > 0")
+    if cfg.parallel.use_distributed_optimizer:
+        raise ValueError(
+            "optimizer.name muon with parallel.use_distributed_optimizer true is not supported "
+            "(Muon orthogonalises whole matrices; the distributed optimizer shards them flat "
+            "over data-parallel ranks); set parallel.use_distributed_optimizer false or "
+            "optimizer.name adamw")
 
 
 def _check_budget(cfg) -> None:

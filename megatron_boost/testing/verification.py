@@ -62,6 +62,8 @@ class LayoutSpec:
     drop_tp_all_reduce: bool = False
     """Negative control: every all-reduce over the tensor-parallel group runs on a copy, so its
     result never reaches the model (a dropped collective, without a hang)."""
+    optimizer: Dict = field(default_factory=dict)
+    """Overrides of the optimizer section (OptimizerConfig field names), e.g. name: muon."""
 
 
 def layout_run_config(spec: LayoutSpec):
@@ -83,8 +85,9 @@ def layout_run_config(spec: LayoutSpec):
     cfg.training.precision = "fp32"  # the tolerances are fp32's, on the GPU too
     cfg.training.micro_batch_size = spec.micro_batch_size
     cfg.training.global_batch_size = spec.global_batch_size
-    cfg.optimizer = OptimizerConfig(lr=1e-2, min_lr=1e-3, warmup_iters=0, weight_decay=0.1,
-                                    adam_eps=1e-3, clip_grad=0.05)
+    cfg.optimizer = OptimizerConfig(**{**asdict(OptimizerConfig(
+        lr=1e-2, min_lr=1e-3, warmup_iters=0, weight_decay=0.1, adam_eps=1e-3,
+        clip_grad=0.05)), **spec.optimizer})
     return cfg.validate()
 
 
@@ -248,7 +251,7 @@ def reference_spec(spec: LayoutSpec) -> LayoutSpec:
                       model=dict(spec.model), seq_length=spec.seq_length,
                       micro_batch_size=spec.micro_batch_size,
                       global_batch_size=spec.global_batch_size, seed=spec.seed,
-                      steps=spec.steps)
+                      optimizer=dict(spec.optimizer), steps=spec.steps)
 
 
 def run_many(rank: int, world: int, jobs):

@@ -112,6 +112,7 @@ def build_run(run: ResolvedRun, *, training: bool = True,
     optimizer = build_optimizer(
         config, chunks, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad, use_distributed_optimizer=par.use_distributed_optimizer)
+        clip_grad=o.clip_grad, use_distributed_optimizer=par.use_distributed_optimizer,
+        muon=o, tp_group=getattr(run.process_groups, "tp", None))
     return BuiltRun(run, config, chunks, optimizer, build_scheduler(optimizer, run),
                     forward_step)

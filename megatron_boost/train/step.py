@@ -25,6 +25,7 @@ from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.gpt import build_model, schedule_seq_length
 from megatron_boost.model.init import build_globally_initialised
 from megatron_boost.train.megatron_fixes import inner_torch_optimizers
+from megatron_boost.train.muon import build_muon_optimizer
 from megatron_boost.train.resilience import StepAgreement, agree_on_step
 
 __all__ = [
@@ -95,14 +96,20 @@ def build_ddp_model(config: BoostTransformerConfig, vocab_size: int, seq_length:
 def build_optimizer(config: BoostTransformerConfig, ddp_chunks, *, lr: float, min_lr: float,
                     weight_decay: float, adam_beta1: float = 0.9, adam_beta2: float = 0.95,
                     adam_eps: float = 1e-8, clip_grad: float = 1.0,
-                    use_distributed_optimizer: bool = False):
-    """megatron-core's Adam (decoupled weight decay) with global-norm clipping."""
+                    use_distributed_optimizer: bool = False, muon=None, tp_group=None):
+    """megatron-core's Adam (decoupled weight decay) with global-norm clipping; with ``muon``
+    (the run's optimizer section, ``name: muon``) Muon for the 2-D weights and Adam for the
+    rest (train/muon.py), clipped together. ``tp_group``: the model's TP group (default
+    megatron's)."""
     opt_config = McoreOptimizerConfig(
         optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay,
         adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps, clip_grad=clip_grad,
         bf16=config.bf16, params_dtype=config.params_dtype,
         use_distributed_optimizer=use_distributed_optimizer)
-    optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
+    if muon is not None and muon.name == "muon":
+        optimizer = build_muon_optimizer(opt_config, ddp_chunks, muon, tp_group)
+    else:
+        optimizer = get_megatron_optimizer(opt_config, ddp_chunks)
     _fuse_torch_adam(optimizer)
     config.grad_scale_func = optimizer.scale_loss
     return optimizer

@@ -214,7 +214,7 @@ class Trainer:
                f"(training.precision={t.precision}) attention={attention} ({why}) "
                f"sequence_parallel={'on' if self.run.sequence_parallel else 'off'} "
                f"({self.run.sequence_parallel_reason}) | "
-               f"fusions: {format_fusions(self.run.fusions)} | layers={m.num_layers} "
+               f"fusions: {format_fusions(self.run.fusions)} | optimizer={cfg.optimizer.name} | layers={m.num_layers} "
                f"d={m.hidden_size} f={m.ffn_hidden_size} vocab={self.vocab} (padded {self.padded_vocab}) "
                f"seq={seq} | params on rank 0: {n_params / 1e6:.2f}M | "
                f"global batch {gbs} = micro {t.micro_batch_size} × dp {self.dp} × "

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""AdamW against Muon on the demo corpus: each at its best of several learning rates.
+
+For each mode (boost: the demo's CoLA model; full: the same shape at full rank) and optimizer,
+one training run per learning rate (``pretrain_lowrank.py`` under torchrun, the demo's config,
+min_lr = lr / 10); the validation perplexity of each evaluation is read from the run's
+metrics.jsonl. Then, per mode and optimizer, a timing run of the same model (synthetic
+batches): the mean step time and the optimizer step's share of it. Writes a JSON file of every
+figure and a text table (the one docs/performance.md includes).
+
+    scripts/demo_data.sh                      # the demo corpus, once
+    python scripts/compare_optimizers.py [--iters N] [--modes boost,full] \\
+        [--adamw-lrs 1e-3,3e-3,1e-2] [--muon-lrs 1e-3,3e-3,1e-2] \\
+        [--full-adamw-lrs ...] [--full-muon-lrs ...] [--out docs/results/optimizers]
+
+A run that fails is recorded with its exit status and left out of the best-of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "demo-shakespeare.yaml"
+#: Full rank at the demo's shape: the bottleneck ranks do not apply.
+MODE_OVERRIDES = {"boost": ["parallel.mode=boost"],
+                  "full": ["parallel.mode=full", "model.attn_rank=null", "model.mlp_rank=null"]}
+
+
+def _floats(text: str):
+    return [float(x) for x in text.split(",") if x]
+
+
+def train(mode: str, optimizer: str, lr: float, iters: int, runs: Path, timeout: float) -> dict:
+    """One training run; its validation perplexities by iteration (or its failure)."""
+    run_dir = runs / f"{mode}-{optimizer}-lr{lr:g}"
+    overrides = MODE_OVERRIDES[mode] + [
+        f"optimizer.name={optimizer}", f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10}",
+        f"training.train_iters={iters}", f"training.eval_interval={max(iters // 3, 1)}",
+        f"optimizer.warmup_iters={iters // 10}",  # the demo's 30 of 300
+        f"logging.run_dir={run_dir}", "logging.tensorboard=false", "logging.log_interval=20"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "pretrain_lowrank.py"), "--config", str(CONFIG), *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    out = {"mode": mode, "optimizer": optimizer, "lr": lr, "iters": iters,
+           "seconds": round(time.time() - start, 1), "exit": proc.returncode}
+    if proc.returncode != 0:
+        out["error"] = [line for line in (proc.stderr + proc.stdout).splitlines()
+                        if line.startswith("error:")][:1]
+        return out
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    out["val_ppl"] = {r["iteration"]: r["val_ppl"] for r in records if "val_ppl" in r}
+    out["tokens"] = max(r["tokens"] for r in records)
+    return out
+
+
+def _time_steps(rank, world, mode, optimizer, steps):
+    """Mean step time and optimizer-step time (seconds) of the demo model on this layout,
+    with synthetic batches (the timing does not depend on the data)."""
+    import torch
+
+    from megatron_boost.config.resolved import resolve_run
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.data.synthetic import synthetic_microbatches
+    from megatron_boost.train.build import build_run
+    from megatron_boost.train.step import initialize_parallel, train_step
+
+    cfg = load_run_config(str(CONFIG), MODE_OVERRIDES[mode] + [f"optimizer.name={optimizer}"])
+    t = cfg.training
+    initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, None, t.seed)
+    built = build_run(resolve_run(cfg, vocab_size=cfg.model.vocab_size))
+    micro = synthetic_microbatches(cfg.model.vocab_size, cfg.model.seq_length,
+                                   t.micro_batch_size, t.global_batch_size, t.seed, 1, 0)
+    step_of_optimizer = built.optimizer.step
+    optimizer_seconds = []
+
+    def timed_step():
+        begin = time.perf_counter()
+        result = step_of_optimizer()
+        optimizer_seconds.append(time.perf_counter() - begin)
+        return result
+
+    built.optimizer.step = timed_step
+    step_seconds = []
+    for i in range(steps + 2):  # two warm-up steps
+        begin = time.perf_counter()
+        train_step(built.forward_step, [iter(list(micro))], built.chunks, built.optimizer,
+                   len(micro), cfg.model.seq_length, t.micro_batch_size)
+        step_seconds.append(time.perf_counter() - begin)
+    torch.distributed.barrier()
+    return {"step_s": sum(step_seconds[2:]) / steps,
+            "optimizer_s": sum(optimizer_seconds[2:]) / steps}
+
+
+def time_steps(mode: str, optimizer: str, steps: int) -> dict:
+    from megatron_boost.runtime.spawn import run_distributed
+
+    return run_distributed(_time_steps, 2, mode, optimizer, steps, timeout=900)[0]
+
+
+def best(runs, mode, optimizer):
+    """The run of (mode, optimizer) with the lowest final validation perplexity."""
+    done = [r for r in runs if r["mode"] == mode and r["optimizer"] == optimizer
+            and r.get("val_ppl")]
+    return min(done, key=final_ppl, default=None)
+
+
+def final_ppl(run) -> float:
+    """The last evaluation's perplexity (iterations are strings once read back from JSON)."""
+    return run["val_ppl"][max(run["val_ppl"], key=int)]
+
+
+def table(results: dict) -> str:
+    runs, timing = results["runs"], results["timing"]
+    iters = max(r["iters"] for r in runs)
+    tokens = max((r.get("tokens", 0) for r in runs), default=0)
+    lines = [*(f"$ {c}" for c in results["commands"]),
+             f"AdamW vs Muon on the demo corpus ({CONFIG.relative_to(ROOT)}: d=256, 4 layers, "
+             f"TP=2, CPU), {iters} iterations ({tokens:,} tokens) per run; "
+             f"validation perplexity on the held-out plays",
+             "", f"{'mode':<6} {'optimizer':<9} {'lr':>8}   validation ppl by iteration"]
+    for r in runs:
+        ppl = ("failed (exit %s)" % r["exit"] if not r.get("val_ppl") else
+               "  ".join(f"@{it}: {p:8.2f}" for it, p in sorted(r["val_ppl"].items(),
+                                                                key=lambda kv: int(kv[0]))))
+        lines.append(f"{r['mode']:<6} {r['optimizer']:<9} {r['lr']:>8g}   {ppl}")
+    lines += ["", "best run of each (lowest final validation ppl among its learning rates), and "
+              "the step time on this machine (mean of the timed steps; optimizer step's share):",
+              f"{'mode':<6} {'optimizer':<9} {'best lr':>8} {'final ppl':>10} "
+              f"{'step ms':>9} {'optimizer ms':>13} {'share':>6}"]
+    for mode in results["modes"]:
+        for optimizer in ("adamw", "muon"):
+            b = best(runs, mode, optimizer)
+            tm = timing.get(f"{mode}-{optimizer}")
+            lr = f"{b['lr']:g}" if b else "-"
+            final = f"{final_ppl(b):.2f}" if b else "-"
+            step = f"{tm['step_s'] * 1e3:.0f}" if tm else "-"
+            opt = f"{tm['optimizer_s'] * 1e3:.0f}" if tm else "-"
+            share = f"{tm['optimizer_s'] / tm['step_s']:.0%}" if tm else "-"
+            lines.append(f"{mode:<6} {optimizer:<9} {lr:>8} {final:>10} {step:>9} {opt:>13} "
+                         f"{share:>6}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=300, help="iterations per run (demo: 300)")
+    p.add_argument("--modes", default="boost,full")
+    p.add_argument("--adamw-lrs", default="1e-3,3e-3,1e-2")
+    p.add_argument("--muon-lrs", default="1e-3,3e-3,1e-2")
+    p.add_argument("--full-adamw-lrs", default=None,
+                   help="AdamW's learning rates at full rank (default: --adamw-lrs)")
+    p.add_argument("--full-muon-lrs", default=None,
+                   help="Muon's learning rates at full rank (default: --muon-lrs)")
+    p.add_argument("--timing-steps", type=int, default=5)
+    p.add_argument("--runs", default="runs/optimizers", help="where the runs are written")
+    p.add_argument("--out", default="docs/results/optimizers",
+                   help="writes OUT.json and OUT.txt")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--append", action="store_true",
+                   help="add to OUT.json's runs (another mode measured in another sitting)")
+    args = p.parse_args(argv)
+    if not (ROOT / "data/shakespeare/tokenizer.model").is_file():
+        print("error: the demo corpus is missing (data/shakespeare); run scripts/demo_data.sh "
+              "first", file=sys.stderr)
+        return 2
+    modes = args.modes.split(",")
+    out = Path(args.out)
+    results = {"modes": [], "runs": [], "timing": {}, "commands": []}
+    if args.append and out.with_suffix(".json").is_file():
+        results = json.loads(out.with_suffix(".json").read_text())
+        results.setdefault("commands", [])
+    results["modes"] += [m for m in modes if m not in results["modes"]]
+    results["commands"].append(" ".join(["python", "scripts/compare_optimizers.py",
+                                         *(argv if argv is not None else sys.argv[1:])]))
+    for mode in modes:
+        for optimizer, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
+            lrs = getattr(args, f"full_{optimizer}_lrs") or lrs if mode == "full" else lrs
+            for lr in _floats(lrs):
+                results["runs"].append(train(mode, optimizer, lr, args.iters, Path(args.runs),
+                                             args.timeout))
+                print(json.dumps(results["runs"][-1]), flush=True)
+            results["timing"][f"{mode}-{optimizer}"] = time_steps(mode, optimizer,
+                                                                  args.timing_steps)
+            print(mode, optimizer, results["timing"][f"{mode}-{optimizer}"], flush=True)
+            out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    out.with_suffix(".txt").write_text(table(results))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
