@@ -9,6 +9,7 @@ metadata), so they follow whatever the layout is.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Callable, Iterable, List
@@ -129,6 +130,7 @@ def uses_output_init(module: torch.nn.Module, param_name: str) -> bool:
     return isinstance(module, _row_parallel_types())
 
 
+@functools.lru_cache(maxsize=None)  # asked per parameter; what imports does not change
 def _norm_types() -> tuple:
     """The normalisation modules: torch's (megatron's local spec builds them through
     WrappedTorchNorm), megatron's apex FusedLayerNorm, boost's final GatheredRMSNorm, and
@@ -146,6 +148,7 @@ def _norm_types() -> tuple:
     return (*types, te_pytorch.RMSNorm, te_pytorch.LayerNorm)
 
 
+@functools.lru_cache(maxsize=None)
 def _norm_fusing_types() -> tuple:
     """The linears that fuse the norm before them and hold its scale as ``layer_norm_weight``:
     the bottleneck groups' column layers (online RMSNorm) and Transformer Engine's
