@@ -1,5 +1,6 @@
 """CPU mode: megatron-core's own GPTModel (local spec) through get_forward_backward_func."""
 
+import pytest
 import torch
 
 from tests.rank_pool import distributed
@@ -193,3 +194,67 @@ def test_cpu_mode_left_as_found():
         assert is_cpu_mode()
     finally:
         restore_cuda()
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron's CUDA-only functions (compat.megatron_cuda_functions): each replacement is needed
+# ---------------------------------------------------------------------------------------------
+
+
+def _megatron_rng_and_recompute():
+    """What megatron does with the functions CPU mode replaces: the RNG tracker adds and forks
+    a state (its own stream inside, the default stream untouched outside), and an activation
+    checkpoint re-runs a causal, unfused softmax in the backward
+    (outside CPU mode's function mode)."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    try:
+        default_stream = torch.get_rng_state()
+        tracker.add("cpu-mode-test", 1234)
+        with tracker.fork("cpu-mode-test"):
+            drawn = torch.rand(2)
+        assert torch.equal(drawn, torch.rand(2, generator=torch.Generator().manual_seed(1234))), \
+            "the fork did not draw from the tracker's own stream"
+        assert torch.equal(torch.get_rng_state(), default_stream), "the default stream moved"
+        softmax = FusedScaleMaskSoftmax(
+            input_in_fp16=False, input_in_bf16=False, attn_mask_type=AttnMaskType.causal,
+            scaled_masked_softmax_fusion=False, mask_func=attention_mask_func,
+            softmax_in_fp32=True, scale=None)
+        scores = torch.randn(1, 2, 4, 4, requires_grad=True)  # [b, heads, sq, sk]
+        # x * 1.0: the mask is applied in place, and the recompute's input is a detached leaf
+        checkpoint(lambda x: softmax(x * 1.0, None), False, scores).sum().backward()
+        assert scores.grad is not None
+    finally:
+        tracker.reset()
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("dropped", [None, "_get_cuda_rng_state", "_set_cuda_rng_state",
+                                     "get_default_causal_mask"])
+def test_each_replaced_megatron_function_is_needed(monkeypatch, dropped):
+    """With every entry of compat.megatron_cuda_functions replaced, megatron's RNG tracker and
+    a recompute run in CPU mode; with any one left as megatron wrote it, they fail (CUDA is
+    reached without a GPU, or the tracker's fork leaves the default stream moved)."""
+    from megatron_boost import compat
+    from megatron_boost.runtime import cpu_mode
+
+    if torch.cuda.is_available():
+        pytest.skip("shows CUDA being reached on a machine without a usable GPU")
+    kept = tuple(entry for entry in compat.megatron_cuda_functions() if entry[1] != dropped)
+    assert len(kept) == len(compat.megatron_cuda_functions()) - (dropped is not None)
+    monkeypatch.setattr(cpu_mode, "megatron_cuda_functions", lambda: kept)
+    cpu_mode.use_cpu(force=True)
+    try:
+        if dropped is None:
+            _megatron_rng_and_recompute()
+        else:
+            with pytest.raises((AssertionError, RuntimeError),
+                               match="not compiled with CUDA|no NVIDIA driver|the default stream moved"):
+                _megatron_rng_and_recompute()
+    finally:
+        cpu_mode.restore_cuda()

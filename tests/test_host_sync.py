@@ -47,21 +47,19 @@ def _batches(vocab, seed):
 
 
 def _step_syncs(num_layers, num_microbatches):
-    from megatron_boost.config.resolved import resolve_run, to_transformer_config
+    from megatron_boost.config.resolved import resolve_run
     from megatron_boost.config.run import load_run_config
-    from megatron_boost.train.step import (
-        build_ddp_model, build_optimizer, make_forward_step, train_step)
+    from megatron_boost.train.build import build_run
+    from megatron_boost.train.step import train_step
 
     cfg = load_run_config("configs/debug.yaml", [f"model.num_layers={num_layers}",
-                                                 f"model.seq_length={SEQ}"])
-    config = to_transformer_config(resolve_run(cfg))
-    ddp = build_ddp_model(config, 256, SEQ, seed=1, device="cpu")
-    optimizer = build_optimizer(config, ddp, lr=1e-3, min_lr=1e-4, weight_decay=0.0)
-    forward_step = make_forward_step(next)
-    data = [_batches(256, seed=2)]
+                                                 f"model.seq_length={SEQ}", "training.seed=1"])
+    built = build_run(resolve_run(cfg, "cpu"))
+    data = [_batches(built.run.padded_vocab_size, seed=2)]
 
     def step():
-        return train_step(forward_step, data, ddp, optimizer, num_microbatches, SEQ, MBS)
+        return train_step(built.forward_step, data, built.chunks, built.optimizer,
+                          num_microbatches, SEQ, MBS)
 
     step()  # warm-up: lazy initialisation (optimizer state, buffers)
     with HostSyncCounter() as syncs:

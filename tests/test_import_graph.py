@@ -1,5 +1,5 @@
 """The package's rooms import only downwards, and no module uses another module's private names
-(docs/design.md §13).
+(docs/design.md §13); only train/build.py reaches the model, DDP and optimizer builders (§9).
 
 Read statically with ``ast`` (every import statement, at module level or inside a function), so
 a lazy import inside a function counts as much as one at the top.
@@ -161,3 +161,63 @@ def test_the_design_documents_room_table_is_the_import_graph():
     documented = {room: [] if deps.strip() == "—" else deps.strip().split(", ")
                   for room, deps in rows.items()}
     assert documented == room_dependencies()
+
+
+# ---------------------------------------------------------------------------------------------
+# one builder (docs/design.md §9): only train/build.py reaches the model, DDP and optimizer
+# ---------------------------------------------------------------------------------------------
+
+#: What builds a run's pieces, and the one function that may call each: the model class in
+#: model/gpt.py's build_model, megatron's DDP wrapper and optimizer factory in train/step.py's
+#: lower builders, and those lower builders in train/build.py (build_ddp_model calls
+#: build_model). cli/gpu_check.py and analysis/comm.py's build_decoder_layer build single
+#: decoder layers, none of these, so nothing is exempt.
+_BUILDERS = {
+    "GPTModel": {("megatron_boost/model/gpt.py", "build_model")},
+    "BottleneckGPTModel": {("megatron_boost/model/gpt.py", "build_model")},
+    "DistributedDataParallel": {("megatron_boost/train/step.py", "build_ddp_model")},
+    "get_megatron_optimizer": {("megatron_boost/train/step.py", "build_optimizer")},
+    "build_model": {("megatron_boost/train/step.py", "build_ddp_model"),
+                    ("megatron_boost/train/build.py", "_inference_chunks")},
+    "build_ddp_model": {("megatron_boost/train/build.py", "build_run")},
+    "build_optimizer": {("megatron_boost/train/build.py", "build_run")},
+}
+
+
+def _calls(tree: ast.AST) -> Iterator[Tuple[int, str, str]]:
+    """(line, enclosing top-level function, called name) of every call by name or attribute."""
+    for top in tree.body:
+        for node in ast.walk(top):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                yield node.lineno, getattr(top, "name", "<module>"), name
+
+
+def _builder_calls_out_of_place(root: Path, sources) -> list:
+    wrong = []
+    for path in sources:
+        rel = path.relative_to(root).as_posix()
+        for line, where, name in _calls(ast.parse(path.read_text())):
+            if name in _BUILDERS and (rel, where) not in _BUILDERS[name]:
+                wrong.append(f"{rel}:{line} ({where}) calls {name}")
+    return wrong
+
+
+def test_only_the_one_builder_builds_model_ddp_and_optimizer():
+    """The package and tools/ build a run through train/build.py's build_run: nothing else
+    constructs GPTModel / BottleneckGPTModel or megatron's DistributedDataParallel, calls
+    get_megatron_optimizer, or calls the lower builders that do."""
+    root = PACKAGE.parent
+    sources = [*sorted(PACKAGE.rglob("*.py")), *sorted((root / "tools").glob("*.py"))]
+    assert _builder_calls_out_of_place(root, sources) == []
+
+
+def test_the_builder_check_finds_a_back_door(tmp_path):
+    tool = tmp_path / "tools" / "t.py"
+    tool.parent.mkdir()
+    tool.write_text("def main():\n    ddp = step.build_ddp_model(config, 64, 16, 1, device='cpu')\n"
+                    "    return DistributedDataParallel(config, ddp_config, ddp[0])\n")
+    assert _builder_calls_out_of_place(tmp_path, [tool]) == [
+        "tools/t.py:2 (main) calls build_ddp_model",
+        "tools/t.py:3 (main) calls DistributedDataParallel"]

@@ -52,13 +52,18 @@ def _models(mode):
     return reference, once
 
 
-def _renamed_output_slots(chunk) -> None:
-    """Rename every decoder layer's linear_proj and linear_fc2 in place (their checkpoint keys
-    change with the names; the modules and their types do not)."""
+def _renamed_slots(chunk) -> None:
+    """Rename every decoder layer's linear_proj, linear_fc2 and norms, and the final norm, in
+    place (their checkpoint keys change with the names; the modules and their types do not)."""
+    def rename(parent, old, new):
+        parent._modules = {new if k == old else k: v for k, v in parent._modules.items()}
+
     for layer in chunk.decoder.layers:
-        for parent, old, new in ((layer.self_attention, "linear_proj", "out_renamed"),
-                                 (layer.mlp, "linear_fc2", "down_renamed")):
-            parent._modules = {new if k == old else k: v for k, v in parent._modules.items()}
+        rename(layer.self_attention, "linear_proj", "out_renamed")
+        rename(layer.mlp, "linear_fc2", "down_renamed")
+        rename(layer, "input_layernorm", "before_attention")
+        rename(layer, "pre_mlp_layernorm", "before_mlp")
+    rename(chunk.decoder, "final_layernorm", "last_renamed")
 
 
 def _init_stds(chunks, config):
@@ -70,10 +75,11 @@ def _init_stds(chunks, config):
 
 
 def _rename_changes_no_std(mode) -> list:
-    """Parameters whose init std changes when the output slots are renamed: none, since the
-    std follows the holding module's type. Without CoLA's init (which ignores the slot), each
-    std is megatron's, scaled by 1/sqrt(2L) = 1/2 for the output projections and B factors;
-    1/2 against 1 stands far outside the 25 % a draw of >= 256 values can stray."""
+    """Parameters whose init std changes when the output slots and the norms are renamed:
+    none, since the std follows the holding module's type. Without CoLA's init (which ignores
+    the slot), each std is megatron's, scaled by 1/sqrt(2L) = 1/2 for the output projections
+    and B factors; 1/2 against 1 stands far outside the 25 % a draw of >= 256 values can
+    stray. A norm's scale starts at ones (std 0): any draw moves it."""
     from megatron_boost.config.resolved import resolve_run, to_transformer_config
     from megatron_boost.config.run import load_run_config
     from megatron_boost.model.gpt import build_model
@@ -84,7 +90,7 @@ def _rename_changes_no_std(mode) -> list:
     config = to_transformer_config(run)
     chunks = build_model(config, run.padded_vocab_size, cfg.model.seq_length)
     before = _init_stds(chunks, config)
-    _renamed_output_slots(chunks[0])
+    _renamed_slots(chunks[0])
     after = _init_stds(chunks, config)
     names = {id(p): n for n, p in chunks[0].named_parameters()}
     return [names[k] for k in before
@@ -141,7 +147,8 @@ def test_parameter_without_global_key_is_refused(results):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_renaming_a_submodule_changes_no_init_std(results, mode):
-    """The scaled output init follows the type of the module holding a parameter, not its
-    name in the checkpoint key (model/init.py ``uses_output_init``)."""
+    """The scaled output init and the norms' ones follow the type of the module holding a
+    parameter, not its name in the checkpoint key (model/init.py ``uses_output_init``,
+    ``starts_at_one``)."""
     for r in results:
         assert r["renamed"][mode] == [], r["renamed"][mode]

@@ -1,6 +1,6 @@
 """Print how long building and initialising a model takes, the way the trainer does it.
 
-Runs ``train.step.build_ddp_model`` (model chunks, weight initialisation, DDP wrap) in a world
+Runs ``train.build.build_run`` (model chunks, weight initialisation, DDP wrap, optimizer) in a world
 of one on the CPU for a run config (default ``configs/cola-1b.yaml`` at TP = 1) and prints the
 wall time and this process's CPU time of that call, best of ``--repeats`` (on a shared machine
 the CPU time is the steadier figure). A figure to compare before and after a change to
@@ -26,10 +26,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megatron_boost.config.resolved import resolve_run, to_transformer_config
+    from megatron_boost.config.resolved import resolve_run
     from megatron_boost.config.run import load_run_config
     from megatron_boost.runtime.cpu_mode import use_cpu
     from megatron_boost.train import step
+    from megatron_boost.train.build import build_run
     from megatron_boost.train.distributed import init_world_of_one, shutdown
 
     torch.set_num_threads(args.threads)
@@ -40,21 +41,18 @@ def main(argv=None) -> int:
         step.initialize_parallel(1, 1, None, cfg.training.seed)
         precision = "bf16" if cfg.training.precision == "bf16" else "fp32"
         run = resolve_run(cfg, "cpu", vocab_size=cfg.model.vocab_size).with_precision(precision)
-        dtype, vocab = run.params_dtype, run.padded_vocab_size
         times, cpu = [], []
         for _ in range(args.repeats):
-            config = to_transformer_config(run)
             t0, c0 = time.perf_counter(), time.process_time()
-            ddp = step.build_ddp_model(config, vocab, cfg.model.seq_length, cfg.training.seed,
-                                       device=run.device, rotary_base=cfg.model.rotary_base)
+            built = build_run(run)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-            n = sum(p.numel() for m in ddp for p in m.module.parameters())
-            del ddp
+            n = sum(p.numel() for m in built.chunks for p in m.module.parameters())
+            del built
             gc.collect()
-        print(f"{args.config} mode={cfg.parallel.mode} params={n / 1e6:.1f}M dtype={dtype} "
-              f"threads={args.threads}: build_ddp_model wall {min(times):.2f}s, CPU "
-              f"{min(cpu):.2f}s (best of {len(times)}; wall "
+        print(f"{args.config} mode={cfg.parallel.mode} params={n / 1e6:.1f}M "
+              f"dtype={run.params_dtype} threads={args.threads}: build_run wall "
+              f"{min(times):.2f}s, CPU {min(cpu):.2f}s (best of {len(times)}; wall "
               f"{', '.join(f'{t:.2f}' for t in times)}; CPU {', '.join(f'{t:.2f}' for t in cpu)})")
     finally:
         shutdown()

@@ -9,13 +9,14 @@ metadata), so they follow whatever the layout is.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Callable, Iterable, List
 
 import torch
 
-__all__ = ["cola_std", "cola_init_", "sharded_params", "uses_output_init",
+__all__ = ["cola_std", "cola_init_", "sharded_params", "uses_output_init", "starts_at_one",
            "init_global_weights", "build_globally_initialised"]
 
 
@@ -129,6 +130,49 @@ def uses_output_init(module: torch.nn.Module, param_name: str) -> bool:
     return isinstance(module, _row_parallel_types())
 
 
+@functools.lru_cache(maxsize=None)  # asked per parameter; what imports does not change
+def _norm_types() -> tuple:
+    """The normalisation modules: torch's (megatron's local spec builds them through
+    WrappedTorchNorm), megatron's apex FusedLayerNorm, boost's final GatheredRMSNorm, and
+    Transformer Engine's (what TENorm builds) where it imports."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+
+    from megatron_boost.model.gpt import GatheredRMSNorm
+    from megatron_boost.runtime.backends import te_available
+
+    types = (torch.nn.RMSNorm, torch.nn.LayerNorm, FusedLayerNorm, GatheredRMSNorm)
+    if not te_available():
+        return types
+    import transformer_engine.pytorch as te_pytorch
+
+    return (*types, te_pytorch.RMSNorm, te_pytorch.LayerNorm)
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_fusing_types() -> tuple:
+    """The linears that fuse the norm before them and hold its scale as ``layer_norm_weight``:
+    the bottleneck groups' column layers (online RMSNorm) and Transformer Engine's
+    LayerNormColumnParallelLinear where it imports."""
+    from megatron_boost.model.layers import BottleneckGroup
+    from megatron_boost.runtime.backends import te_available
+
+    if not te_available():
+        return (BottleneckGroup,)
+    from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
+
+    return BottleneckGroup, TELayerNormColumnParallelLinear
+
+
+def starts_at_one(module: torch.nn.Module, param_name: str) -> bool:
+    """Whether a parameter is a norm's scale, which starts at one, decided by the type of the
+    module that holds it, never by where it sits: every parameter of a normalisation module
+    (RMSNorm, the only normalisation here, has its scale only) and the ``layer_norm_weight``
+    of a linear that fuses its norm."""
+    if isinstance(module, _norm_types()):
+        return True
+    return param_name == "layer_norm_weight" and isinstance(module, _norm_fusing_types())
+
+
 def _holders(chunks: List[torch.nn.Module]) -> Callable[[torch.Tensor], torch.nn.Module]:
     """tensor -> the module holding the parameter whose memory it lies in (a grouped A's row
     views lie in the grouped A)."""
@@ -140,14 +184,15 @@ def _holders(chunks: List[torch.nn.Module]) -> Callable[[torch.Tensor], torch.nn
     return holder
 
 
-def _init_rule(key: str, shape, shapes_by_key, config, gen,
-               output_init: bool) -> torch.Tensor:
-    """The global tensor of ``key``: ones for norms, CoLA's normal for bottleneck factors
+def _init_rule(key: str, shape, shapes_by_key, config, gen, output_init: bool,
+               norm_scale: bool) -> torch.Tensor:
+    """The global tensor of ``key``: ones for a norm's scale (``norm_scale``,
+    :func:`starts_at_one`), CoLA's normal for bottleneck factors
     (with ``cola_init``), else megatron's normal(init_method_std), scaled by 1/sqrt(2L) where
     ``output_init`` (:func:`uses_output_init`; megatron's scaled_init_method_normal)."""
     base, at, layer = key.partition("@")
     name = base.rsplit(".", 1)[-1]
-    if "layernorm" in key or name == "layer_norm_weight" or key.endswith("norm.weight"):
+    if norm_scale:
         return torch.ones(shape)
     if name.startswith(("A_", "B_")) and config.cola_init:
         proj = name[2:]
@@ -173,8 +218,9 @@ def init_global_weights(chunks: Iterable[torch.nn.Module], seed: int, config) ->
         for key, shape, slicer, param in entries:
             gen = torch.Generator().manual_seed(seed ^ zlib.crc32(key.encode()))
             name = key.partition("@")[0].rsplit(".", 1)[-1]
+            module = holder(param)
             full = _init_rule(key, shape, shapes, config, gen,
-                              uses_output_init(holder(param), name))
+                              uses_output_init(module, name), starts_at_one(module, name))
             local = slicer(full)
             if local.shape != param.shape:
                 raise RuntimeError(f"init of {key}: slice {tuple(local.shape)} of global "

@@ -5,7 +5,7 @@ megatron-core assumes CUDA in a handful of places:
 * ``device="cuda"`` / ``torch.cuda.current_device()`` allocations in the pipeline schedules and
   the p2p communication code;
 * the tensor-parallel RNG tracker (``torch.cuda.get_rng_state`` and friends, plus megatron's
-  private ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``);
+  private ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``, listed in compat.py);
 * ``torch.cuda.synchronize`` and stream handling;
 * ``Tensor.type()`` compared with ``'torch.cuda.FloatTensor'`` in the optimizers and grad clipping.
 
@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_boost.compat import megatron_cuda_functions
 
 __all__ = ["use_cpu", "restore_cuda", "is_cpu_mode", "maybe_use_cpu", "cuda_unusable_reason",
            "cpu_mode_left_as_found",
@@ -187,8 +189,6 @@ def _undo_patches() -> None:
 
 
 def _install_patches() -> None:
-    import megatron.core.tensor_parallel.random as mrandom
-
     cuda = torch.cuda
     # Device queries and synchronisation.
     _patch(cuda, "current_device", lambda: 0)
@@ -210,17 +210,14 @@ def _install_patches() -> None:
     _patch(cuda, "manual_seed", _cpu_manual_seed)
     # torch.manual_seed seeds the CPU generator itself and then every CUDA device: none here.
     _patch(cuda, "manual_seed_all", lambda *a, **k: None)
-    _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
-    _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
-    # The causal mask is allocated with device="cuda". In a forward pass the function mode maps
-    # it, but a recompute (megatron's selective/full recompute) re-runs the forward inside
-    # autograd's backward, where the engine runs with an empty function-mode stack.
-    import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.transformer.utils as tutils
-
-    _patch(tutils, "get_default_causal_mask", _cpu_causal_mask)
-    # fused_softmax imports its own reference (megatron-core 0.16 to 0.19 alike).
-    _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
+    # megatron's own CUDA-only functions (compat.py lists them). The causal mask is allocated
+    # with device="cuda": in a forward pass the function mode maps it, but a recompute
+    # (megatron's selective/full recompute) re-runs the forward inside autograd's backward,
+    # where the engine runs with an empty function-mode stack.
+    replacement = {"get_rng_state": _cpu_get_rng_state, "set_rng_state": _cpu_set_rng_state,
+                   "causal_mask": _cpu_causal_mask}
+    for owner, name, role in megatron_cuda_functions():
+        _patch(owner, name, replacement[role])
 
 
 def cuda_unusable_reason() -> Optional[str]:

@@ -257,8 +257,7 @@ def load_weights(ckpt_dir: Path, ddp_chunks, optimizer) -> None:
     schedule, the iteration and the RNG stay those of a fresh start."""
     loaded = load_sharded(_model_sharded_state_dict(ddp_chunks, loading=ckpt_dir), str(ckpt_dir))
     _set_model_weights(ddp_chunks, loaded)
-    if hasattr(optimizer, "reload_model_params"):
-        optimizer.reload_model_params()  # main (fp32) params from the loaded weights
+    optimizer.reload_model_params()  # main (fp32) params from the loaded weights
 
 
 def load_checkpoint(ckpt_dir: Path, saved: dict, ddp_chunks, optimizer, scheduler,
@@ -282,7 +281,7 @@ def load_checkpoint(ckpt_dir: Path, saved: dict, ddp_chunks, optimizer, schedule
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         finish_optimizer_load(optimizer)
-    elif hasattr(optimizer, "reload_model_params"):
+    else:  # every MegatronOptimizer has it (abstract in the base class, 0.16 to 0.19)
         optimizer.reload_model_params()  # main (fp32) params from the loaded weights
     scheduler.load_state_dict(saved["opt_param_scheduler"])
     if same_layout and loaded.get("rng_state") is not None:
