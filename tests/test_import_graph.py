@@ -170,13 +170,16 @@ def test_the_design_documents_room_table_is_the_import_graph():
 #: What builds a run's pieces, and the one function that may call each: the model class in
 #: model/gpt.py's build_model, megatron's DDP wrapper and optimizer factory in train/step.py's
 #: lower builders, and those lower builders in train/build.py (build_ddp_model calls
-#: build_model). cli/gpu_check.py and analysis/comm.py's build_decoder_layer build single
-#: decoder layers, none of these, so nothing is exempt.
+#: build_model; build_optimizer calls build_muon_optimizer for optimizer.name: muon).
+#: cli/gpu_check.py and analysis/comm.py's build_decoder_layer build single decoder layers,
+#: none of these, so nothing is exempt.
 _BUILDERS = {
     "GPTModel": {("megatron_boost/model/gpt.py", "build_model")},
     "BottleneckGPTModel": {("megatron_boost/model/gpt.py", "build_model")},
     "DistributedDataParallel": {("megatron_boost/train/step.py", "build_ddp_model")},
-    "get_megatron_optimizer": {("megatron_boost/train/step.py", "build_optimizer")},
+    "get_megatron_optimizer": {("megatron_boost/train/step.py", "build_optimizer"),
+                               ("megatron_boost/train/muon.py", "build_muon_optimizer")},
+    "build_muon_optimizer": {("megatron_boost/train/step.py", "build_optimizer")},
     "build_model": {("megatron_boost/train/step.py", "build_ddp_model"),
                     ("megatron_boost/train/build.py", "_inference_chunks")},
     "build_ddp_model": {("megatron_boost/train/build.py", "build_run")},
