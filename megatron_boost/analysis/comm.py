@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 # and the collective recorder are imported by the measuring functions that use them.
 
 __all__ = ["MODES", "tp_comm_widths", "fp32_statistic_columns",
-           "layer_comm_formula", "layer_comm_bytes_per_token", "StepCommShape",
+           "layer_comm_formula", "layer_comm_bytes_per_token", "embedding_collectives",
+           "StepCommShape",
            "step_comm_bytes", "LayerCommSpec",
            "comm_summary", "measure_layer_comm", "measure_layer_comm_specs",
            "layer_comm_worker", "build_decoder_layer"]
@@ -110,6 +111,22 @@ def layer_comm_bytes_per_token(shape: ModelShape, mode: str,
     return sum(fwd) * esize + fp32_columns * (4 - esize), sum(bwd) * esize
 
 
+def embedding_collectives(shape: ModelShape, mode: str) -> List[Tuple[str, str, int]]:
+    """(direction, kind, elements per token) of the embedding's TP collectives, once per
+    micro-batch on the first stage (docs/design.md §2, §5). full and naive: megatron's
+    vocab-parallel embedding all-reduces its d-wide output forward, tied or not (the output
+    layer reading the same table adds nothing on the input side). boost: the untied table is
+    sharded along d and needs none; the tied one (vocab-parallel, megatron's) reduce-scatters
+    the d-wide partial rows forward and all-gathers their gradient backward, each recorded at
+    its full width d (:func:`~megatron_boost.analysis.collectives.record_collectives`)."""
+    d = shape.hidden
+    if check_mode(mode) != "boost":
+        return [("fwd", "all_reduce", d)]
+    if shape.tied_embeddings:
+        return [("fwd", "reduce_scatter", d), ("bwd", "all_gather", d)]
+    return []
+
+
 @dataclass(frozen=True)
 class StepCommShape:
     """What one rank runs in a training step, as far as its TP collectives go."""
@@ -137,10 +154,12 @@ def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
     formula (docs/design.md §5), what :func:`record_collectives` measures around the step.
 
     Per micro-batch and token: the decoder layers (:func:`layer_comm_bytes_per_token`); the
-    embedding's forward all-reduce of width d in full and naive (boost's hidden-sharded table
-    needs none); at the head, boost's forward all-gather of the d-wide hidden stream, the output
-    layer's backward all-reduce of its d-wide input gradient (every mode) and the fp32 values of
-    the vocab-parallel cross entropy."""
+    embedding's (:func:`embedding_collectives`: full and naive all-reduce d forward, tied boost
+    reduce-scatters d forward and all-gathers d backward); at the head, boost's forward
+    all-gather of the d-wide hidden stream, the output layer's backward all-reduce of its
+    d-wide input gradient (every mode) and the fp32 values of the vocab-parallel cross
+    entropy. Megatron's embedding-group all-reduce of a tied table's gradient (pp > 1) runs
+    between the first and last stage, not over TP, and is not counted here."""
     if step.tp == 1:
         return {"fwd": 0, "bwd": 0}
     mode = check_mode(mode)
@@ -148,8 +167,11 @@ def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
     layer_fwd, layer_bwd = layer_comm_bytes_per_token(shape, mode, dtype)
     fwd = step.local_layers * layer_fwd
     bwd = step.local_layers * (layer_bwd + (layer_fwd if step.full_recompute else 0))
-    if step.has_embedding and mode != "boost":
-        fwd += d * esize
+    if step.has_embedding:
+        per_direction = {"fwd": 0, "bwd": 0}
+        for direction, _kind, width in embedding_collectives(shape, mode):
+            per_direction[direction] += width * esize
+        fwd, bwd = fwd + per_direction["fwd"], bwd + per_direction["bwd"]
     if step.has_head:
         fwd += (d * esize if mode == "boost" else 0) + _CROSS_ENTROPY_FP32_VALUES * 4
         bwd += d * esize
