@@ -70,10 +70,12 @@ core (half the s×s square), backward = 2 × forward; naive's duplicated work is
 
 The widths (d, f, heads, ranks, parameters per projection) all come from the one
 :class:`~megatron_boost.analysis.shape.ModelShape`, the TP collective widths from
-:func:`~megatron_boost.analysis.comm.tp_comm_widths`, the per-GPU GEMM shapes and parameters
-from the placement table (:func:`~megatron_boost.parallel.placement.local_factor_shapes`). Every hardware number and every
-calibrated efficiency lives in :data:`~megatron_boost.perf.hardware.HARDWARE`; the kernel costs
-in :mod:`megatron_boost.perf.kernels`; the authors' published table in
+:func:`~megatron_boost.analysis.comm.tp_comm_widths` (the embedding's, tied or not, from
+:func:`~megatron_boost.analysis.comm.embedding_collectives`), the per-GPU GEMM shapes and
+parameters from the placement table
+(:func:`~megatron_boost.parallel.placement.local_factor_shapes`). Every hardware number and
+every calibrated efficiency lives in :data:`~megatron_boost.perf.hardware.HARDWARE`; the kernel
+costs in :mod:`megatron_boost.perf.kernels`; the authors' published table in
 :mod:`megatron_boost.perf.published`.
 """
 from __future__ import annotations
@@ -82,7 +84,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from megatron_boost.analysis.comm import tp_comm_widths
+from megatron_boost.analysis.comm import embedding_collectives, tp_comm_widths
 from megatron_boost.analysis.flops import step_flops
 from megatron_boost.analysis.shape import MODES, ModelShape
 from megatron_boost.config.modes import TPMode, check_tp_split
@@ -417,11 +419,17 @@ def _layer_times(st: _Setting) -> Tuple[Dict[str, float], Dict[str, float]]:
 
 def _embedding_times(st: _Setting) -> Dict[str, float]:
     """Embedding (first stage), forward + backward of one micro-batch, per category."""
-    n, hw, d = st.n, st.hw, st.shape.hidden
+    n, hw = st.n, st.hw
     out = {"elementwise": elementwise_time(n * st.d_loc * BYTES_ACT, hw)
            + elementwise_time(n * st.d_loc * (BYTES_ACT + BYTES_GRAD * 2), hw)}
-    if st.layout.mode != "boost":  # vocab-parallel embedding: all-reduce of d forward
-        out["tp_comm"] = st.tp_allreduce(n * d * BYTES_ACT)
+    # full, naive: vocab-parallel all-reduce of d forward; tied boost: reduce-scatter of d
+    # forward, all-gather backward (analysis/comm.py's embedding_collectives)
+    collective_time = {"all_reduce": st.tp_allreduce, "all_gather": st.tp_allgather,
+                       "reduce_scatter": st.tp_allgather}  # ring: same cost both ways
+    comm = [collective_time[kind](n * width * BYTES_ACT)
+            for _, kind, width in embedding_collectives(st.shape, st.layout.mode)]
+    if comm:
+        out["tp_comm"] = sum(comm)
     return out
 
 
