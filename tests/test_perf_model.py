@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_boost.analysis.comm import layer_comm_formula
+from megatron_boost.analysis.comm import layer_comm_formula, tp_comm_widths
 from megatron_boost.analysis.shape import MODES, ModelShape
 from megatron_boost.cli.perf_model import main
 from megatron_boost.perf import model as pm
@@ -236,6 +236,28 @@ def test_tied_boost_adds_the_embeddings_reduce_scatter_and_all_gather():
             untied.breakdown_s["tp_comm"] + m * added, abs=2e-6), mode
         assert untied.memory_gb["weights"] - tied.memory_gb["weights"] == pytest.approx(
             32000 * d / t * pm.BYTES_WEIGHT / 1e9, abs=2e-3), mode
+
+
+def test_boost_tp_time_is_the_measured_collectives():
+    """boost's TP seconds per step are the collectives tests/test_step_comm.py measures:
+    per layer the bottleneck all-reduces, at the head the all-gather of the hidden shards
+    forward (its backward is a split) and the output layer's all-reduce of d backward, plus
+    the cross entropy's three fp32 all-reduces; the untied embedding issues none."""
+    hw = hardware("a100-80gb")
+    n, d, t = 2 * 4096, 4096, 4
+    pred = pm.predict(COLA_7B, pm.Layout(mode="boost", tp=t, micro_batch=2, global_batch=16),
+                      hw)
+    fwd, bwd = tp_comm_widths(COLA_7B, "boost", dtype="bf16")
+
+    def all_reduce(nbytes):
+        return allreduce_time(nbytes, t, hw, True)
+
+    layer = sum(all_reduce(n * w * pm.BYTES_ACT) for w in fwd + bwd)
+    head = (3 * all_reduce(n * 4) + allgather_time(n * d * pm.BYTES_ACT, t, hw, True)
+            + all_reduce(n * d * pm.BYTES_ACT))
+    m = pred.layout["num_micro_batches"]
+    assert pred.breakdown_s["tp_comm"] == pytest.approx(
+        m * (COLA_7B.num_layers * layer + head), abs=2e-6)  # rounded to the microsecond
 
 
 def test_hardware_table_complete():

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 # The formulas are plain Python (the perf model and its CLI import them); torch, megatron-core
 # and the collective recorder are imported by the measuring functions that use them.
 
-__all__ = ["MODES", "tp_comm_widths", "fp32_statistic_columns",
+__all__ = ["MODES", "CROSS_ENTROPY_FP32_VALUES", "tp_comm_widths", "fp32_statistic_columns",
            "layer_comm_formula", "layer_comm_bytes_per_token", "embedding_collectives",
-           "StepCommShape",
+           "head_collectives", "StepCommShape",
            "step_comm_bytes", "LayerCommSpec",
            "comm_summary", "measure_layer_comm", "measure_layer_comm_specs",
            "layer_comm_worker", "build_decoder_layer"]
@@ -37,7 +37,7 @@ __all__ = ["MODES", "tp_comm_widths", "fp32_statistic_columns",
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 #: megatron's vocab-parallel cross entropy all-reduces three fp32 values per token forward (the
 #: maximum logit, the target logit and the sum of exponentials), whatever the activation dtype.
-_CROSS_ENTROPY_FP32_VALUES = 3
+CROSS_ENTROPY_FP32_VALUES = 3
 
 
 def tp_comm_widths(shape: ModelShape, mode: str,
@@ -127,6 +127,25 @@ def embedding_collectives(shape: ModelShape, mode: str) -> List[Tuple[str, str, 
     return []
 
 
+def head_collectives(shape: ModelShape, mode: str) -> List[Tuple[str, str, int]]:
+    """(direction, kind, elements per token) of the head's d-wide TP collectives, once per
+    micro-batch on the last stage (docs/design.md §5): boost all-gathers the hidden shards
+    before the final norm (its backward is a split, no collective); megatron's output layer
+    all-reduces its d-wide input gradient backward in every mode. The vocab-parallel cross
+    entropy's fp32 values come on top (:data:`CROSS_ENTROPY_FP32_VALUES`)."""
+    d = shape.hidden
+    gather = [("fwd", "all_gather", d)] if check_mode(mode) == "boost" else []
+    return gather + [("bwd", "all_reduce", d)]
+
+
+def _bytes_per_token(collectives: List[Tuple[str, str, int]], esize: int) -> Dict[str, int]:
+    """{'fwd', 'bwd'}: bytes per token of (direction, kind, width) collectives."""
+    out = {"fwd": 0, "bwd": 0}
+    for direction, _kind, width in collectives:
+        out[direction] += width * esize
+    return out
+
+
 @dataclass(frozen=True)
 class StepCommShape:
     """What one rank runs in a training step, as far as its TP collectives go."""
@@ -155,26 +174,26 @@ def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
 
     Per micro-batch and token: the decoder layers (:func:`layer_comm_bytes_per_token`); the
     embedding's (:func:`embedding_collectives`: full and naive all-reduce d forward, tied boost
-    reduce-scatters d forward and all-gathers d backward); at the head, boost's forward
-    all-gather of the d-wide hidden stream, the output layer's backward all-reduce of its
-    d-wide input gradient (every mode) and the fp32 values of the vocab-parallel cross
-    entropy. Megatron's embedding-group all-reduce of a tied table's gradient (pp > 1) runs
-    between the first and last stage, not over TP, and is not counted here."""
+    reduce-scatters d forward and all-gathers d backward); at the head
+    (:func:`head_collectives`), boost's forward all-gather of the d-wide hidden stream, the
+    output layer's backward all-reduce of its d-wide input gradient (every mode) and the fp32
+    values of the vocab-parallel cross entropy. Megatron's embedding-group all-reduce of a tied
+    table's gradient (pp > 1) runs between the first and last stage, not over TP, and is not
+    counted here."""
     if step.tp == 1:
         return {"fwd": 0, "bwd": 0}
     mode = check_mode(mode)
-    esize, d = _ELEMENT_BYTES[dtype], shape.hidden
+    esize = _ELEMENT_BYTES[dtype]
     layer_fwd, layer_bwd = layer_comm_bytes_per_token(shape, mode, dtype)
     fwd = step.local_layers * layer_fwd
     bwd = step.local_layers * (layer_bwd + (layer_fwd if step.full_recompute else 0))
     if step.has_embedding:
-        per_direction = {"fwd": 0, "bwd": 0}
-        for direction, _kind, width in embedding_collectives(shape, mode):
-            per_direction[direction] += width * esize
-        fwd, bwd = fwd + per_direction["fwd"], bwd + per_direction["bwd"]
+        emb = _bytes_per_token(embedding_collectives(shape, mode), esize)
+        fwd, bwd = fwd + emb["fwd"], bwd + emb["bwd"]
     if step.has_head:
-        fwd += (d * esize if mode == "boost" else 0) + _CROSS_ENTROPY_FP32_VALUES * 4
-        bwd += d * esize
+        head = _bytes_per_token(head_collectives(shape, mode), esize)
+        fwd += head["fwd"] + CROSS_ENTROPY_FP32_VALUES * 4
+        bwd += head["bwd"]
     tokens = step.tokens_per_microbatch * step.num_microbatches
     return {"fwd": fwd * tokens, "bwd": bwd * tokens}
 

@@ -84,7 +84,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from megatron_boost.analysis.comm import embedding_collectives, tp_comm_widths
+from megatron_boost.analysis.comm import (CROSS_ENTROPY_FP32_VALUES, embedding_collectives,
+                                          head_collectives, tp_comm_widths)
 from megatron_boost.analysis.flops import step_flops
 from megatron_boost.analysis.shape import MODES, ModelShape
 from megatron_boost.config.modes import TPMode, check_tp_split
@@ -424,13 +425,18 @@ def _embedding_times(st: _Setting) -> Dict[str, float]:
            + elementwise_time(n * st.d_loc * (BYTES_ACT + BYTES_GRAD * 2), hw)}
     # full, naive: vocab-parallel all-reduce of d forward; tied boost: reduce-scatter of d
     # forward, all-gather backward (analysis/comm.py's embedding_collectives)
-    collective_time = {"all_reduce": st.tp_allreduce, "all_gather": st.tp_allgather,
-                       "reduce_scatter": st.tp_allgather}  # ring: same cost both ways
-    comm = [collective_time[kind](n * width * BYTES_ACT)
-            for _, kind, width in embedding_collectives(st.shape, st.layout.mode)]
-    if comm:
-        out["tp_comm"] = sum(comm)
+    collectives = embedding_collectives(st.shape, st.layout.mode)
+    if collectives:
+        out["tp_comm"] = _collectives_seconds(st, collectives)
     return out
+
+
+def _collectives_seconds(st: _Setting, collectives) -> float:
+    """Seconds of one micro-batch's (direction, kind, width per token) TP collectives of the
+    activations (``analysis/comm.py``)."""
+    time_of = {"all_reduce": st.tp_allreduce, "all_gather": st.tp_allgather,
+               "reduce_scatter": st.tp_allgather}  # ring: same cost both ways
+    return sum(time_of[kind](st.n * width * BYTES_ACT) for _, kind, width in collectives)
 
 
 def _head_times(st: _Setting) -> Dict[str, float]:
@@ -440,13 +446,11 @@ def _head_times(st: _Setting) -> Dict[str, float]:
     hf, hb = _gemm_fwd_bwd([Gemm("lm_head", V / t, d, "head")], n, hw)
     el_f = elementwise_time(n * (4 * d + CE_BYTES_FWD * V / t), hw, 6)
     el_b = elementwise_time(n * (6 * d + CE_BYTES_BWD * V / t), hw, 3)
-    comm_f = 3 * st.tp_allreduce(n * 4)  # max, sum-exp and target-logit all-reduces (fp32)
-    if st.layout.mode == "boost":  # all-gather the hidden shards forward, reduce-scatter bwd
-        comm_f += st.tp_allgather(n * d * BYTES_ACT)
-        comm_b = st.tp_allgather(n * d * BYTES_ACT)
-    else:  # copy-to-TP-region before the head: all-reduce of d backward
-        comm_b = st.tp_allreduce(n * d * BYTES_ACT)
-    return {"gemm": hf + hb, "elementwise": el_f + el_b, "tp_comm": comm_f + comm_b}
+    # max, sum-exp and target-logit all-reduces (fp32), then boost's all-gather of the hidden
+    # shards forward and the output layer's all-reduce of d backward (head_collectives)
+    comm = CROSS_ENTROPY_FP32_VALUES * st.tp_allreduce(n * 4)
+    comm += _collectives_seconds(st, head_collectives(st.shape, st.layout.mode))
+    return {"gemm": hf + hb, "elementwise": el_f + el_b, "tp_comm": comm}
 
 
 _COMPUTE_KEYS = ("gemm", "attention", "elementwise", "tp_comm", "recompute")
