@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from megatron_boost.analysis.comm import layer_comm_formula
+from megatron_boost.analysis.comm import layer_comm_formula, tp_comm_widths
 from megatron_boost.analysis.shape import MODES, ModelShape
 from megatron_boost.cli.perf_model import main
 from megatron_boost.perf import model as pm
 from megatron_boost.perf.hardware import hardware
-from megatron_boost.perf.kernels import allreduce_time, gemm_efficiency
+from megatron_boost.perf.kernels import allgather_time, allreduce_time, gemm_efficiency
 from megatron_boost.perf.published import PUBLISHED_SETUP, compare_published
 from megatron_boost.perf.report import format_published
 from megatron_boost.perf.search import recommend
@@ -215,6 +215,49 @@ def test_params_and_dp_pp_accounting():
     assert pp2.breakdown_s["pp_bubble"] > 0
     assert pp2.comm["pp_p2p_bytes_per_microbatch"] == 2 * 4096 * 4096 // 4 * 2
     assert pp2.memory_gb["weights"] < one.memory_gb["weights"]
+
+
+def test_tied_boost_adds_the_embeddings_reduce_scatter_and_all_gather():
+    """Tied boost looks up the vocab-parallel table and reduce-scatters the partial rows to the
+    hidden shards forward, all-gathering their gradient backward (docs/design.md §2, §5): two
+    d-wide collectives of all-gather cost per micro-batch on the first stage over the untied
+    model's TP time. Tied full and naive keep their collectives; every tied model holds one
+    table instead of two (pp = 1)."""
+    hw = hardware("a100-80gb")
+    tied_shape = dataclasses.replace(COLA_7B, tied_embeddings=True)
+    n, d, t = 2 * 4096, 4096, 4  # tokens of a micro-batch, hidden, TP
+    for mode in MODES:
+        layout = pm.Layout(mode=mode, tp=t, micro_batch=2, global_batch=16)
+        untied, tied = pm.predict(COLA_7B, layout, hw), pm.predict(tied_shape, layout, hw)
+        m = tied.layout["num_micro_batches"]
+        added = 2 * allgather_time(n * d * pm.BYTES_ACT, t, hw, True) if mode == "boost" else 0
+        # breakdowns are rounded to the microsecond
+        assert tied.breakdown_s["tp_comm"] == pytest.approx(
+            untied.breakdown_s["tp_comm"] + m * added, abs=2e-6), mode
+        assert untied.memory_gb["weights"] - tied.memory_gb["weights"] == pytest.approx(
+            32000 * d / t * pm.BYTES_WEIGHT / 1e9, abs=2e-3), mode
+
+
+def test_boost_tp_time_is_the_measured_collectives():
+    """boost's TP seconds per step are the collectives tests/test_step_comm.py measures:
+    per layer the bottleneck all-reduces, at the head the all-gather of the hidden shards
+    forward (its backward is a split) and the output layer's all-reduce of d backward, plus
+    the cross entropy's three fp32 all-reduces; the untied embedding issues none."""
+    hw = hardware("a100-80gb")
+    n, d, t = 2 * 4096, 4096, 4
+    pred = pm.predict(COLA_7B, pm.Layout(mode="boost", tp=t, micro_batch=2, global_batch=16),
+                      hw)
+    fwd, bwd = tp_comm_widths(COLA_7B, "boost", dtype="bf16")
+
+    def all_reduce(nbytes):
+        return allreduce_time(nbytes, t, hw, True)
+
+    layer = sum(all_reduce(n * w * pm.BYTES_ACT) for w in fwd + bwd)
+    head = (3 * all_reduce(n * 4) + allgather_time(n * d * pm.BYTES_ACT, t, hw, True)
+            + all_reduce(n * d * pm.BYTES_ACT))
+    m = pred.layout["num_micro_batches"]
+    assert pred.breakdown_s["tp_comm"] == pytest.approx(
+        m * (COLA_7B.num_layers * layer + head), abs=2e-6)  # rounded to the microsecond
 
 
 def test_hardware_table_complete():

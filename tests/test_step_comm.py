@@ -1,7 +1,8 @@
 """The TP collectives of a training step: known from the formula, measured only on request.
 
 Two gloo ranks (TP=2) build the trainer on configs/debug.yaml for each mode (and boost in bf16
-and with each recompute) with ``logging.measure_comm: true`` and ``logging.log_interval: 2``:
+and with each recompute; boost and naive with tied embeddings) with
+``logging.measure_comm: true`` and ``logging.log_interval: 2``:
 
 * iteration 1 is an ordinary step: inside it (probed from the forward step) every entry point
   ``record_collectives`` would wrap is the original function, so no process-wide patch runs;
@@ -23,6 +24,10 @@ CASES = {
     "boost bf16": ["training.precision=bf16"],
     "boost full recompute": ["training.recompute=full"],
     "boost lowrank recompute": ["training.recompute=lowrank"],
+    # tied: boost's reduce-scatter of the partial embedding rows (and its all-gather backward);
+    # naive's vocab-parallel ends carry the same collectives tied or not
+    "boost tied": ["model.share_embeddings_and_output_weights=true"],
+    "naive tied": ["parallel.mode=naive", "model.share_embeddings_and_output_weights=true"],
 }
 
 

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 # The formulas are plain Python (the perf model and its CLI import them); torch, megatron-core
 # and the collective recorder are imported by the measuring functions that use them.
 
-__all__ = ["MODES", "tp_comm_widths", "fp32_statistic_columns",
-           "layer_comm_formula", "layer_comm_bytes_per_token", "StepCommShape",
+__all__ = ["MODES", "CROSS_ENTROPY_FP32_VALUES", "tp_comm_widths", "fp32_statistic_columns",
+           "layer_comm_formula", "layer_comm_bytes_per_token", "embedding_collectives",
+           "head_collectives", "StepCommShape",
            "step_comm_bytes", "LayerCommSpec",
            "comm_summary", "measure_layer_comm", "measure_layer_comm_specs",
            "layer_comm_worker", "build_decoder_layer"]
@@ -36,7 +37,7 @@ __all__ = ["MODES", "tp_comm_widths", "fp32_statistic_columns",
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 #: megatron's vocab-parallel cross entropy all-reduces three fp32 values per token forward (the
 #: maximum logit, the target logit and the sum of exponentials), whatever the activation dtype.
-_CROSS_ENTROPY_FP32_VALUES = 3
+CROSS_ENTROPY_FP32_VALUES = 3
 
 
 def tp_comm_widths(shape: ModelShape, mode: str, dtype: str = "fp32",
@@ -119,6 +120,51 @@ def layer_comm_bytes_per_token(shape: ModelShape, mode: str, dtype: str = "fp32"
     return sum(fwd) * esize + fp32_columns * (4 - esize), sum(bwd) * esize
 
 
+def embedding_collectives(shape: ModelShape, mode: str,
+                          sequence_parallel: bool = False) -> List[Tuple[str, str, int]]:
+    """(direction, kind, elements per token) of the embedding's TP collectives, once per
+    micro-batch on the first stage (docs/design.md §2, §5). full and naive: megatron's
+    vocab-parallel embedding all-reduces its d-wide output forward, tied or not (the output
+    layer reading the same table adds nothing on the input side); with sequence parallelism
+    (full) that all-reduce is a reduce-scatter to the sequence shards, all-gathered backward.
+    boost: the untied table is sharded along d and needs none; the tied one (vocab-parallel,
+    megatron's) reduce-scatters the d-wide partial rows forward and all-gathers their gradient
+    backward, each recorded at its full width d
+    (:func:`~megatron_boost.analysis.collectives.record_collectives`)."""
+    d = shape.hidden
+    if check_mode(mode) != "boost":
+        if sequence_parallel:
+            return [("fwd", "reduce_scatter", d), ("bwd", "all_gather", d)]
+        return [("fwd", "all_reduce", d)]
+    if shape.tied_embeddings:
+        return [("fwd", "reduce_scatter", d), ("bwd", "all_gather", d)]
+    return []
+
+
+def head_collectives(shape: ModelShape, mode: str,
+                     sequence_parallel: bool = False) -> List[Tuple[str, str, int]]:
+    """(direction, kind, elements per token) of the head's d-wide TP collectives, once per
+    micro-batch on the last stage (docs/design.md §5): boost all-gathers the hidden shards
+    before the final norm (its backward is a split, no collective); megatron's output layer
+    all-reduces its d-wide input gradient backward in every mode. With sequence parallelism
+    (full) the output layer all-gathers its sequence-sharded input forward, and backward
+    reduce-scatters the input gradient and re-gathers the input for its weight gradient. The
+    vocab-parallel cross entropy's fp32 values come on top (:data:`CROSS_ENTROPY_FP32_VALUES`)."""
+    d = shape.hidden
+    if sequence_parallel:
+        return [("fwd", "all_gather", d), ("bwd", "reduce_scatter", d), ("bwd", "all_gather", d)]
+    gather = [("fwd", "all_gather", d)] if check_mode(mode) == "boost" else []
+    return gather + [("bwd", "all_reduce", d)]
+
+
+def _bytes_per_token(collectives: List[Tuple[str, str, int]], esize: int) -> Dict[str, int]:
+    """{'fwd', 'bwd'}: bytes per token of (direction, kind, width) collectives."""
+    out = {"fwd": 0, "bwd": 0}
+    for direction, _kind, width in collectives:
+        out[direction] += width * esize
+    return out
+
+
 @dataclass(frozen=True)
 class StepCommShape:
     """What one rank runs in a training step, as far as its TP collectives go."""
@@ -148,14 +194,18 @@ def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
     formula (docs/design.md §5), what :func:`record_collectives` measures around the step.
 
     Per micro-batch and token: the decoder layers (:func:`layer_comm_bytes_per_token`); the
-    embedding's forward all-reduce of width d in full and naive (boost's hidden-sharded table
-    needs none); at the head, boost's forward all-gather of the d-wide hidden stream, the output
-    layer's backward all-reduce of its d-wide input gradient (every mode) and the fp32 values of
-    the vocab-parallel cross entropy. With sequence parallelism the embedding's all-reduce is
-    a reduce-scatter (all-gather backward) and the head all-gathers its d-wide input forward
-    and re-gathers it backward for the output layer's weight gradient; once per step, the
-    norms' weight gradients (partial sums over the sequence shards) are all-reduced over the
-    TP group, fp32 (megatron's ``finalize_model_grads``; gradients are reduced in fp32)."""
+    embedding's (:func:`embedding_collectives`: full and naive all-reduce d forward, tied boost
+    reduce-scatters d forward and all-gathers d backward); at the head
+    (:func:`head_collectives`), boost's forward all-gather of the d-wide hidden stream, the
+    output layer's backward all-reduce of its d-wide input gradient (every mode) and the fp32
+    values of the vocab-parallel cross entropy. With sequence parallelism (full) the
+    embedding's all-reduce is a reduce-scatter (all-gather backward) and the head all-gathers
+    its d-wide input forward and re-gathers it backward for the output layer's weight
+    gradient; once per step, the norms' weight gradients (partial sums over the sequence
+    shards) are all-reduced over the TP group, fp32 (megatron's ``finalize_model_grads``;
+    gradients are reduced in fp32). Megatron's embedding-group all-reduce of a tied table's
+    gradient (pp > 1) runs between the first and last stage, not over TP, and is not counted
+    here."""
     if step.tp == 1:
         return {"fwd": 0, "bwd": 0}
     mode = check_mode(mode)
@@ -164,12 +214,13 @@ def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
     layer_fwd, layer_bwd = layer_comm_bytes_per_token(shape, mode, dtype, sp)
     fwd = step.local_layers * layer_fwd
     bwd = step.local_layers * (layer_bwd + (layer_fwd if step.full_recompute else 0))
-    if step.has_embedding and mode != "boost":
-        fwd += d * esize
-        bwd += d * esize if sp else 0
+    if step.has_embedding:
+        emb = _bytes_per_token(embedding_collectives(shape, mode, sp), esize)
+        fwd, bwd = fwd + emb["fwd"], bwd + emb["bwd"]
     if step.has_head:
-        fwd += (d * esize if mode == "boost" or sp else 0) + _CROSS_ENTROPY_FP32_VALUES * 4
-        bwd += d * esize * (2 if sp else 1)
+        head = _bytes_per_token(head_collectives(shape, mode, sp), esize)
+        fwd += head["fwd"] + CROSS_ENTROPY_FP32_VALUES * 4
+        bwd += head["bwd"]
     tokens = step.tokens_per_microbatch * step.num_microbatches
     norms = 2 * step.local_layers + int(step.has_head)  # each layer's two, the final one
     return {"fwd": fwd * tokens, "bwd": bwd * tokens + (norms * d * 4 if sp else 0)}

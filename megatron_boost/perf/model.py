@@ -70,10 +70,12 @@ core (half the s×s square), backward = 2 × forward; naive's duplicated work is
 
 The widths (d, f, heads, ranks, parameters per projection) all come from the one
 :class:`~megatron_boost.analysis.shape.ModelShape`, the TP collective widths from
-:func:`~megatron_boost.analysis.comm.tp_comm_widths`, the per-GPU GEMM shapes and parameters
-from the placement table (:func:`~megatron_boost.parallel.placement.local_factor_shapes`). Every hardware number and every
-calibrated efficiency lives in :data:`~megatron_boost.perf.hardware.HARDWARE`; the kernel costs
-in :mod:`megatron_boost.perf.kernels`; the authors' published table in
+:func:`~megatron_boost.analysis.comm.tp_comm_widths` (the embedding's, tied or not, from
+:func:`~megatron_boost.analysis.comm.embedding_collectives`), the per-GPU GEMM shapes and
+parameters from the placement table
+(:func:`~megatron_boost.parallel.placement.local_factor_shapes`). Every hardware number and
+every calibrated efficiency lives in :data:`~megatron_boost.perf.hardware.HARDWARE`; the kernel
+costs in :mod:`megatron_boost.perf.kernels`; the authors' published table in
 :mod:`megatron_boost.perf.published`.
 """
 from __future__ import annotations
@@ -82,7 +84,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from megatron_boost.analysis.comm import tp_comm_widths
+from megatron_boost.analysis.comm import (CROSS_ENTROPY_FP32_VALUES, embedding_collectives,
+                                          head_collectives, tp_comm_widths)
 from megatron_boost.analysis.flops import step_flops
 from megatron_boost.analysis.shape import MODES, ModelShape
 from megatron_boost.config.modes import TPMode, check_tp_split
@@ -417,12 +420,23 @@ def _layer_times(st: _Setting) -> Tuple[Dict[str, float], Dict[str, float]]:
 
 def _embedding_times(st: _Setting) -> Dict[str, float]:
     """Embedding (first stage), forward + backward of one micro-batch, per category."""
-    n, hw, d = st.n, st.hw, st.shape.hidden
+    n, hw = st.n, st.hw
     out = {"elementwise": elementwise_time(n * st.d_loc * BYTES_ACT, hw)
            + elementwise_time(n * st.d_loc * (BYTES_ACT + BYTES_GRAD * 2), hw)}
-    if st.layout.mode != "boost":  # vocab-parallel embedding: all-reduce of d forward
-        out["tp_comm"] = st.tp_allreduce(n * d * BYTES_ACT)
+    # full, naive: vocab-parallel all-reduce of d forward; tied boost: reduce-scatter of d
+    # forward, all-gather backward (analysis/comm.py's embedding_collectives)
+    collectives = embedding_collectives(st.shape, st.layout.mode)
+    if collectives:
+        out["tp_comm"] = _collectives_seconds(st, collectives)
     return out
+
+
+def _collectives_seconds(st: _Setting, collectives) -> float:
+    """Seconds of one micro-batch's (direction, kind, width per token) TP collectives of the
+    activations (``analysis/comm.py``)."""
+    time_of = {"all_reduce": st.tp_allreduce, "all_gather": st.tp_allgather,
+               "reduce_scatter": st.tp_allgather}  # ring: same cost both ways
+    return sum(time_of[kind](st.n * width * BYTES_ACT) for _, kind, width in collectives)
 
 
 def _head_times(st: _Setting) -> Dict[str, float]:
@@ -432,13 +446,11 @@ def _head_times(st: _Setting) -> Dict[str, float]:
     hf, hb = _gemm_fwd_bwd([Gemm("lm_head", V / t, d, "head")], n, hw)
     el_f = elementwise_time(n * (4 * d + CE_BYTES_FWD * V / t), hw, 6)
     el_b = elementwise_time(n * (6 * d + CE_BYTES_BWD * V / t), hw, 3)
-    comm_f = 3 * st.tp_allreduce(n * 4)  # max, sum-exp and target-logit all-reduces (fp32)
-    if st.layout.mode == "boost":  # all-gather the hidden shards forward, reduce-scatter bwd
-        comm_f += st.tp_allgather(n * d * BYTES_ACT)
-        comm_b = st.tp_allgather(n * d * BYTES_ACT)
-    else:  # copy-to-TP-region before the head: all-reduce of d backward
-        comm_b = st.tp_allreduce(n * d * BYTES_ACT)
-    return {"gemm": hf + hb, "elementwise": el_f + el_b, "tp_comm": comm_f + comm_b}
+    # max, sum-exp and target-logit all-reduces (fp32), then boost's all-gather of the hidden
+    # shards forward and the output layer's all-reduce of d backward (head_collectives)
+    comm = CROSS_ENTROPY_FP32_VALUES * st.tp_allreduce(n * 4)
+    comm += _collectives_seconds(st, head_collectives(st.shape, st.layout.mode))
+    return {"gemm": hf + hb, "elementwise": el_f + el_b, "tp_comm": comm}
 
 
 _COMPUTE_KEYS = ("gemm", "attention", "elementwise", "tp_comm", "recompute")
