@@ -19,9 +19,11 @@ what=${*:-bench comm perf precision ckpt}
 for item in $what; do
   case "$item" in
     bench)
-      # Without recompute: full, naive, boost at TP=2 and the single-process row.
-      python tools/benchmark.py --config configs/bench-cpu.yaml --tp 2 --modes full,naive,boost \
-        --single --steps 10 --warmup 2 --json "$out/bench-cpu-tp2.json" --png docs/bench-cpu-tp2.png
+      # Without recompute: full (the BOOST paper's baseline, no sequence parallelism), full+sp
+      # (megatron's), naive, boost at TP=2 and the single-process row.
+      python tools/benchmark.py --config configs/bench-cpu.yaml --tp 2 \
+        --modes full,full+sp,naive,boost --single --steps 10 --warmup 2 \
+        --json "$out/bench-cpu-tp2.json" --png docs/bench-cpu-tp2.png
       # Right after, the bottleneck modes with low-rank activation checkpointing.
       python tools/benchmark.py --config configs/bench-cpu.yaml --tp 2 --modes naive,boost \
         --recompute lowrank --steps 6 --warmup 2 --json "$out/bench-cpu-tp2-lowrank.json"

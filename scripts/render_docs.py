@@ -13,8 +13,9 @@ Kinds of block:
 * ``include PATH``: the file's text in a fenced ``text`` block;
 * ``bench PATH [PATH ...]``: a Markdown table of CPU-benchmark JSON files written by
   ``tools/benchmark.py --json`` (step time, tokens/s, TP traffic, saved activations per row;
-  then the speed ratios of each file, and the low-rank recompute overhead when a file was
-  measured with ``--recompute lowrank`` beside one without);
+  then the speed ratios of each file, the saved activations of full rank with and without
+  sequence parallelism against boost when a file measured all three, and the low-rank
+  recompute overhead when a file was measured with ``--recompute lowrank`` beside one without);
 * ``placement``: the placement table (``megatron_boost/parallel/placement.py``) as Markdown;
 * ``paper-table PATH``: the paper-table report (JSON) written by ``tools/paper_table.py
   --json``, as that tool prints it (``megatron_boost.cli.paper_table.markdown_table``).
@@ -85,6 +86,24 @@ def _recompute_overhead(reports: List[dict]) -> List[str]:
     return lines
 
 
+def _full_sp_saved_activations(reports: List[dict]) -> List[str]:
+    """Saved activations per micro-batch of full rank with sequence parallelism (megatron's
+    layout) against full without it (the BOOST paper's) and boost, from the report that
+    measured all three side by side."""
+    lines = []
+    for rep in reports:
+        rows = {label.split()[0]: row for label, row in rep["modes"].items()
+                if row.get("saved_activation_bytes_per_microbatch") and " single" not in label}
+        if not {"full", "full+sp", "boost"} <= set(rows):
+            continue
+        mib = {k: rows[k]["saved_activation_bytes_per_microbatch"] / MIB
+               for k in ("full", "full+sp", "boost")}
+        lines.append(f"- saved activations per micro-batch (max over ranks): full+sp "
+                     f"{mib['full+sp']:.1f} MiB, full {mib['full']:.1f} MiB, boost "
+                     f"{mib['boost']:.1f} MiB; boost/full+sp {mib['boost'] / mib['full+sp']:.2f}x")
+    return lines
+
+
 def _bench(root: Path, *paths: str) -> str:
     reports = [json.loads((root / p).read_text()) for p in paths]
     out = ["| run | recompute | step s (median) | tokens/s | TP comm MiB/step | "
@@ -97,6 +116,7 @@ def _bench(root: Path, *paths: str) -> str:
         if ratios:
             out.append(f"- `{path}` ({rep['steps']} timed steps, recompute "
                        f"{rep['recompute']}): {ratios}")
+    out += _full_sp_saved_activations(reports)
     out += _recompute_overhead(reports)
     return "\n".join(out) + "\n"
 

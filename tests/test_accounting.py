@@ -309,13 +309,14 @@ def test_benchmark_cli_end_to_end(tmp_path):
     png = tmp_path / "bench.png"
     r = subprocess.run(
         [sys.executable, "tools/benchmark.py", "--config", "configs/debug.yaml", "--tp", "2",
-         "--modes", "full,naive,boost", "--steps", "2", "--warmup", "1", "--single",
+         "--modes", "full,full+sp,naive,boost", "--steps", "2", "--warmup", "1", "--single",
          "--json", str(out), "--png", str(png)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(out.read_text())
     rows = rep["modes"]
-    assert set(rows) == {"full TP=2", "naive TP=2", "boost TP=2", "boost TP=1 single (2 thr)"}
+    assert set(rows) == {"full TP=2", "full+sp TP=2", "naive TP=2", "boost TP=2",
+                         "boost TP=1 single (2 thr)"}
     for label, row in rows.items():
         assert ROW_FIELDS <= set(row), (label, ROW_FIELDS - set(row))
         assert len(row["step_times_s"]) == 2 and row["step_time_median_s"] > 0
@@ -324,10 +325,21 @@ def test_benchmark_cli_end_to_end(tmp_path):
     comm = {m: rows[f"{m} TP=2"]["tp_comm_bytes_per_step"] for m in MODES}
     assert comm["naive"] > comm["full"] > comm["boost"] > 0
     assert rows["boost TP=1 single (2 thr)"]["tp_comm_bytes_per_step"] == 0
+    # full is the BOOST paper's baseline (no sequence parallelism), full+sp megatron's: SP
+    # shards the norm and dropout activations along the sequence, so each rank saves less.
+    full, full_sp = rows["full TP=2"], rows["full+sp TP=2"]
+    assert (full["sequence_parallel"], full_sp["sequence_parallel"]) == (False, True)
+    assert (full_sp["saved_activation_bytes_per_microbatch"]
+            < full["saved_activation_bytes_per_microbatch"])
+    assert full_sp["loss_last"] == pytest.approx(full["loss_last"], rel=1e-4)
     assert rows["naive TP=2"]["loss_last"] == pytest.approx(rows["boost TP=2"]["loss_last"],
                                                            rel=1e-4)
     assert set(rep["ratios"]) == {"boost/naive speed", "boost/full speed",
+                                  "boost/full+sp speed", "boost/strongest full speed",
                                   "boost TP time / single time"}
+    # the strongest full-rank layout is the faster one: the smaller speed-up of boost
+    assert rep["ratios"]["boost/strongest full speed"] == min(
+        rep["ratios"]["boost/full speed"], rep["ratios"]["boost/full+sp speed"])
     assert set(rep["targets"]) and all("met" in t for t in rep["targets"].values())
     assert png.stat().st_size > 0
     assert "boost/naive speed" in r.stdout

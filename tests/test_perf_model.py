@@ -122,11 +122,13 @@ def test_gqa_shrinks_naive_kv_terms():
 def test_per_layer_bytes_reproduce_authors_anchor():
     """The anchor (authors' README, LLaMA-7B, micro-batch 4, seq 4096, bf16, one
     layer, forward): full ≈ 0.25 GB, vanilla ≈ 1.32 GB, BTP ≈ 0.22 GB (the authors' logs give
-    256 / 1328 / 224 MiB)."""
+    256 / 1328 / 224 MiB). Their full rank is all-reduce TP without sequence parallelism."""
     hw = hardware("a100-80gb")
     got = {}
     for mode in MODES:
-        pr = pm.predict(COLA_7B, pm.Layout(mode=mode, tp=4, micro_batch=4), hw)
+        sp = False if mode == "full" else None
+        pr = pm.predict(COLA_7B, pm.Layout(mode=mode, tp=4, micro_batch=4,
+                                           sequence_parallel=sp), hw)
         got[mode] = pr.comm["tp_bytes_per_layer_fwd"] / 2**30
     assert got["full"] == pytest.approx(0.25, rel=0.02)
     assert got["naive"] == pytest.approx(1.32, rel=0.03)
@@ -179,6 +181,35 @@ def test_more_tp_less_memory_per_gpu():
     act = {m: [pm.predict(COLA_7B, pm.Layout(mode=m, tp=t, micro_batch=1), hw)
                .memory_gb["activations"] for t in (1, 8)] for m in ("naive", "boost")}
     assert act["boost"][1] / act["boost"][0] < 0.5 * act["naive"][1] / act["naive"][0]
+
+
+def test_full_rank_gpu_predictions_use_sequence_parallelism():
+    """Full rank at TP > 1 is predicted as megatron runs it (the trainer's default): with
+    sequence parallelism the norm / residual activations it saves are sharded by t (4d/t
+    instead of 4d per token per layer) and each d-wide all-reduce is a reduce-scatter plus an
+    all-gather of the same bytes (plus the backward re-gather of the qkv / fc1 input). The
+    BOOST paper's baseline (no SP) stays available; boost refuses the flag as the trainer
+    does."""
+    hw, t, b = hardware("h100-80gb"), 4, 1
+    sp, no_sp, default = (pm.predict(COLA_7B, pm.Layout(mode="full", tp=t, micro_batch=b,
+                                                        sequence_parallel=v), hw)
+                          for v in (True, False, None))
+    for field in ("iteration_s", "breakdown_s", "memory_gb", "comm"):  # default: megatron's
+        assert getattr(default, field) == getattr(sp, field), field
+    d, n, L = COLA_7B.hidden, b * COLA_7B.seq_length, COLA_7B.num_layers
+    saved_gb = lambda p: p.memory_gb["activations"]  # noqa: E731
+    # per layer, per token: 4d of norm / linear inputs become 4d/t; the embedding output d
+    # becomes d/t (one micro-batch in flight at pp = 1); rounding of memory_gb: 1e-3 GB
+    expected = (4 * d * (1 - 1 / t) * L + d * (1 - 1 / t)) * n * 2 / 1e9
+    assert saved_gb(no_sp) - saved_gb(sp) == pytest.approx(expected, abs=2e-3)
+    # 4 forward / 6 backward half-collectives of d; the same bytes as the 2 + 2 all-reduces
+    # on the wire forward (a ring all-reduce is a reduce-scatter plus an all-gather)
+    assert sp.comm["tp_collectives_per_layer"] == 10
+    assert sp.comm["tp_elements_per_token_per_layer_fwd"] == 4 * d
+    assert no_sp.comm["tp_elements_per_token_per_layer_fwd"] == 2 * d
+    assert sp.breakdown_s["elementwise"] < no_sp.breakdown_s["elementwise"]
+    with pytest.raises(ValueError, match="does not apply to boost"):
+        pm.predict(COLA_7B, pm.Layout(mode="boost", tp=t, sequence_parallel=True), hw)
 
 
 def test_recompute_policies_trade_time_for_memory():

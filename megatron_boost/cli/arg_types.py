@@ -8,7 +8,7 @@ import argparse
 import re
 
 __all__ = ["positive_int", "non_negative_int", "non_negative_float", "probability",
-           "fraction", "mode_list", "shard_size"]
+           "fraction", "mode_list", "bench_mode_list", "shard_size"]
 
 
 def _number(text: str, kind):
@@ -56,13 +56,8 @@ def fraction(text: str) -> float:
     return value
 
 
-def mode_list(text: str) -> list:
-    """A comma-separated list of tensor-parallel modes (``full,naive,boost``): at least one,
-    each known and given once (an unknown mode would be skipped and the tool exit 0 having
-    measured nothing)."""
-    from megatron_boost.config.modes import TPMode
-
-    known = [m.value for m in TPMode]
+def _listed_modes(text: str, known: list) -> list:
+    """``text`` split at commas: at least one name, each in ``known`` and given once."""
     modes = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in modes if m not in known]
     if unknown or not modes:
@@ -72,6 +67,24 @@ def mode_list(text: str) -> list:
     if len(set(modes)) < len(modes):
         raise argparse.ArgumentTypeError(f"'{text}' names a mode twice")
     return modes
+
+
+def mode_list(text: str) -> list:
+    """A comma-separated list of tensor-parallel modes (``full,naive,boost``): at least one,
+    each known and given once (an unknown mode would be skipped and the tool exit 0 having
+    measured nothing)."""
+    from megatron_boost.config.modes import TPMode
+
+    return _listed_modes(text, [m.value for m in TPMode])
+
+
+def bench_mode_list(text: str) -> list:
+    """``mode_list`` plus ``full+sp``: the benchmark's layouts, where ``full`` is the BOOST
+    paper's full-rank baseline (all-reduce TP, no sequence parallelism) and ``full+sp``
+    megatron's own (TP with sequence parallelism)."""
+    from megatron_boost.config.modes import TPMode
+
+    return _listed_modes(text, [m.value for m in TPMode] + ["full+sp"])
 
 
 def shard_size(text: str) -> str:

@@ -15,7 +15,12 @@ The three TP modes follow docs/design.md §2 (widths of the TP collectives: §5)
 
 ``full``   full-rank model, Megatron TP: column-parallel qkv/fc1, row-parallel proj/fc2; the
            residual stream, both RMSNorms and the residual adds are replicated on every TP rank;
-           per layer 2 all-reduces of d forward and 2 backward.
+           per layer 2 all-reduces of d forward and 2 backward. With megatron's sequence
+           parallelism (``Layout.sequence_parallel``; resolved as the trainer does: on for full
+           at TP > 1) the residual stream, norms and residual adds are sharded along the
+           sequence (÷ t, saved activations included) and each all-reduce is a reduce-scatter
+           plus an all-gather of the same d-wide bytes (backward also re-gathers the qkv / fc1
+           input for the weight gradient: 4 half-collectives forward, 6 backward).
 ``naive``  bottleneck model, every (A, B) pair is one Megatron chunk: A column-parallel (local
            rank r/t), σ on the local slice, B row-parallel + all-reduce of the full output. The
            attention core, RoPE, SwiGLU, norms and residual adds run on full tensors, replicated
@@ -88,7 +93,7 @@ from megatron_boost.analysis.comm import (CROSS_ENTROPY_FP32_VALUES, embedding_c
                                           head_collectives, tp_comm_widths)
 from megatron_boost.analysis.flops import step_flops
 from megatron_boost.analysis.shape import MODES, ModelShape
-from megatron_boost.config.modes import TPMode, check_tp_split
+from megatron_boost.config.modes import TPMode, check_tp_split, resolve_sequence_parallel
 from megatron_boost.parallel.placement import local_factor_shapes
 from megatron_boost.perf.hardware import (BYTES_ACT, BYTES_GRAD, BYTES_OPTIM, BYTES_WEIGHT,
                                           CE_BYTES_BWD, CE_BYTES_FWD,
@@ -123,6 +128,12 @@ class Layout:
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
     gpus_per_node: Optional[int] = None  # None: the hardware default
+    sequence_parallel: Optional[bool] = None  # None: on for full at tp > 1 (the trainer's rule)
+
+    @property
+    def resolved_sequence_parallel(self) -> bool:
+        """megatron's sequence parallelism, resolved as ``parallel.sequence_parallel`` is."""
+        return resolve_sequence_parallel(self.mode, self.tp, self.sequence_parallel)[0]
 
     @property
     def gpus(self) -> int:
@@ -164,8 +175,9 @@ class LayerWork:
     gemms: List[Gemm]
     attn_heads: float           # local heads the attention core runs on
     elems: List[Elem]
-    coll_fwd: List[float]       # all-reduce widths, elements per token
+    coll_fwd: List[float]       # collective widths, elements per token
     coll_bwd: List[float]
+    coll_halves: bool           # the collectives are all-gathers / reduce-scatters (SP)
     saved: float                # activation elements per token kept for backward (no recompute)
     saved_attn_out: float       # the part dropped by selective recompute
     saved_input: float          # what full recompute keeps (the layer input)
@@ -200,22 +212,26 @@ def _local_params(gemms: List[Gemm]) -> float:
     return sum(g.N * g.K for g in gemms)
 
 
-def _full_work(shape: ModelShape, t: int) -> LayerWork:
+def _full_work(shape: ModelShape, t: int, sequence_parallel: bool = False) -> LayerWork:
     """Megatron TP of the full-rank model: column-parallel qkv / fc1, row-parallel proj / fc2;
-    norms and residual adds replicated."""
+    norms and residual adds replicated, or with sequence parallelism sharded along the
+    sequence (the stream between the TP linears is d wide on s/t tokens: ÷ t per token)."""
     d, f, qw, kvw = shape.hidden, shape.ffn, shape.q_width, shape.kv_width
+    stream = d / t if sequence_parallel else d  # residual stream per token on one GPU
     gemms = _factor_gemms(shape, TPMode.FULL, t)
-    elems = [_rmsnorm("input_norm", d), Elem("rope", 4 * (qw + kvw) / t, 4 * (qw + kvw) / t),
-             _residual("residual_attn", d), _rmsnorm("pre_mlp_norm", d),
-             Elem("swiglu", 6 * f / t, 10 * f / t), _residual("residual_mlp", d)]
-    # saved for backward: norm inputs (2d), qkv / fc1 inputs (2d), q,k,v + attention
-    # output (flash attention), fc1 output (2f/t), SwiGLU output (f/t)
+    elems = [_rmsnorm("input_norm", stream),
+             Elem("rope", 4 * (qw + kvw) / t, 4 * (qw + kvw) / t),
+             _residual("residual_attn", stream), _rmsnorm("pre_mlp_norm", stream),
+             Elem("swiglu", 6 * f / t, 10 * f / t), _residual("residual_mlp", stream)]
+    # saved for backward: norm inputs (2d), qkv / fc1 inputs (2d; with SP megatron keeps the
+    # sequence shard and re-gathers it in backward), q,k,v + attention output (flash
+    # attention), fc1 output (2f/t), SwiGLU output (f/t)
     attn_out = qw / t
-    saved = 4 * d + (qw + 2 * kvw) / t + attn_out + 3 * f / t
-    fwd, bwd = tp_comm_widths(shape, "full")
+    saved = 4 * stream + (qw + 2 * kvw) / t + attn_out + 3 * f / t
+    fwd, bwd = tp_comm_widths(shape, "full", sequence_parallel=sequence_parallel)
     return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems, coll_fwd=fwd,
-                     coll_bwd=bwd, saved=saved, saved_attn_out=attn_out, saved_input=d,
-                     saved_lowrank=None,
+                     coll_bwd=bwd, coll_halves=sequence_parallel, saved=saved,
+                     saved_attn_out=attn_out, saved_input=stream, saved_lowrank=None,
                      params=_local_params(gemms) + 2 * d)
 
 
@@ -241,7 +257,7 @@ def _naive_work(shape: ModelShape, t: int) -> LayerWork:
     saved_lowrank = d + sig + (qw + 2 * kvw) + d + 2 * f
     fwd, bwd = tp_comm_widths(shape, "naive")
     return LayerWork(gemms=gemms, attn_heads=shape.heads, elems=elems, coll_fwd=fwd,
-                     coll_bwd=bwd, saved=saved, saved_attn_out=attn_out, saved_input=d,
+                     coll_bwd=bwd, coll_halves=False, saved=saved, saved_attn_out=attn_out, saved_input=d,
                      saved_lowrank=saved_lowrank,
                      params=_local_params(gemms) + 2 * d)
 
@@ -266,7 +282,8 @@ def _boost_work(shape: ModelShape, t: int) -> LayerWork:
     # bf16 training: the fp32 norm statistic travels in its own all-reduce (§3)
     fwd, bwd = tp_comm_widths(shape, "boost", dtype="bf16")
     return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems, coll_fwd=fwd,
-                     coll_bwd=bwd, saved=saved, saved_attn_out=attn_out, saved_input=d / t,
+                     coll_bwd=bwd, coll_halves=False, saved=saved, saved_attn_out=attn_out,
+                     saved_input=d / t,
                      saved_lowrank=saved_lowrank,
                      params=_local_params(gemms) + 2 * d / t)
 
@@ -274,11 +291,15 @@ def _boost_work(shape: ModelShape, t: int) -> LayerWork:
 _WORK = {"full": _full_work, "naive": _naive_work, "boost": _boost_work}
 
 
-def layer_work(shape: ModelShape, mode: str, t: int) -> LayerWork:
+def layer_work(shape: ModelShape, mode: str, t: int,
+               sequence_parallel: bool = False) -> LayerWork:
     """GEMMs, element-wise kernels, collectives, saved activations and parameters of one
-    decoder layer on one GPU of a TP group of ``t`` (docs/design.md §2)."""
+    decoder layer on one GPU of a TP group of ``t`` (docs/design.md §2); sequence
+    parallelism applies to full mode only."""
     if mode not in _WORK:
         raise ValueError(f"unknown mode '{mode}'; one of {MODES}")
+    if mode == "full":
+        return _full_work(shape, t, sequence_parallel)
     return _WORK[mode](shape, t)
 
 
@@ -333,6 +354,7 @@ def _validate(shape: ModelShape, layout: Layout) -> None:
         raise ValueError(f"unknown recompute '{rc}'; one of {RECOMPUTE}")
     if rc == "lowrank" and mode == "full":
         raise ValueError("recompute 'lowrank' needs a bottleneck model (mode naive or boost)")
+    resolve_sequence_parallel(mode, t, layout.sequence_parallel)  # refuses SP outside full
     if p > shape.num_layers:
         raise ValueError(f"pp ({p}) exceeds the number of layers ({shape.num_layers})")
     # The trainer's own rule (boost never shards the rank, so r % t is not required there).
@@ -352,7 +374,8 @@ class _Setting:
     work: LayerWork
     n: int            # tokens of one micro-batch (b · s)
     m: int            # micro-batches per step
-    d_loc: float      # width of the residual stream on one GPU (d/t in boost)
+    d_loc: float      # residual stream per token on one GPU (d/t in boost and with SP)
+    sp: bool          # megatron's sequence parallelism (full mode)
     tp_intra: bool
     dp_intra: bool
     pp_intra: bool    # all stages of a pipeline inside one node
@@ -361,10 +384,12 @@ class _Setting:
     def of(cls, shape: ModelShape, layout: Layout, hw: HardwareSpec) -> "_Setting":
         t, dp, p = layout.tp, layout.dp, layout.pp
         gpn = layout.gpus_per_node or hw.gpus_per_node
-        d = shape.hidden
-        return cls(shape=shape, layout=layout, hw=hw, work=layer_work(shape, layout.mode, t),
+        d, sp = shape.hidden, layout.resolved_sequence_parallel
+        return cls(shape=shape, layout=layout, hw=hw,
+                   work=layer_work(shape, layout.mode, t, sp),
                    n=layout.micro_batch * shape.seq_length, m=layout.num_micro_batches,
-                   d_loc=d / t if layout.mode == "boost" else d, tp_intra=t <= gpn,
+                   d_loc=d / t if layout.mode == "boost" or sp else d, sp=sp,
+                   tp_intra=t <= gpn,
                    dp_intra=t * dp <= gpn, pp_intra=t * dp * p <= gpn)
 
     def tp_allreduce(self, nbytes: float) -> float:
@@ -409,8 +434,9 @@ def _layer_times(st: _Setting) -> Tuple[Dict[str, float], Dict[str, float]]:
     a_fwd, a_bwd = attention_time(b, st.shape.seq_length, int(w.attn_heads), st.shape.e, hw)
     el_fwd = sum(elementwise_time(n * x.fwd_bytes, hw) for x in w.elems)
     el_bwd = sum(elementwise_time(n * x.bwd_bytes, hw) for x in w.elems)
-    c_fwd = sum(st.tp_allreduce(n * wd * BYTES_ACT) for wd in w.coll_fwd)
-    c_bwd = sum(st.tp_allreduce(n * wd * BYTES_ACT) for wd in w.coll_bwd)
+    coll = st.tp_allgather if w.coll_halves else st.tp_allreduce
+    c_fwd = sum(coll(n * wd * BYTES_ACT) for wd in w.coll_fwd)
+    c_bwd = sum(coll(n * wd * BYTES_ACT) for wd in w.coll_bwd)
     rec, rec_comm = _recompute_cost(st, g_fwd, gB_fwd, a_fwd, el_fwd, c_fwd)
     layer_f = {"gemm": g_fwd, "attention": a_fwd, "elementwise": el_fwd, "tp_comm": c_fwd}
     layer_b = {"gemm": g_bwd, "attention": a_bwd, "elementwise": el_bwd,
@@ -423,9 +449,10 @@ def _embedding_times(st: _Setting) -> Dict[str, float]:
     n, hw = st.n, st.hw
     out = {"elementwise": elementwise_time(n * st.d_loc * BYTES_ACT, hw)
            + elementwise_time(n * st.d_loc * (BYTES_ACT + BYTES_GRAD * 2), hw)}
-    # full, naive: vocab-parallel all-reduce of d forward; tied boost: reduce-scatter of d
+    # full, naive: vocab-parallel all-reduce of d forward (with SP a reduce-scatter, all-gather
+    # backward); tied boost: reduce-scatter of d
     # forward, all-gather backward (analysis/comm.py's embedding_collectives)
-    collectives = embedding_collectives(st.shape, st.layout.mode)
+    collectives = embedding_collectives(st.shape, st.layout.mode, st.sp)
     if collectives:
         out["tp_comm"] = _collectives_seconds(st, collectives)
     return out
@@ -447,9 +474,10 @@ def _head_times(st: _Setting) -> Dict[str, float]:
     el_f = elementwise_time(n * (4 * d + CE_BYTES_FWD * V / t), hw, 6)
     el_b = elementwise_time(n * (6 * d + CE_BYTES_BWD * V / t), hw, 3)
     # max, sum-exp and target-logit all-reduces (fp32), then boost's all-gather of the hidden
-    # shards forward and the output layer's all-reduce of d backward (head_collectives)
+    # shards forward and the output layer's all-reduce of d backward; with SP its input's
+    # all-gather forward, reduce-scatter and re-gather backward (head_collectives)
     comm = CROSS_ENTROPY_FP32_VALUES * st.tp_allreduce(n * 4)
-    comm += _collectives_seconds(st, head_collectives(st.shape, st.layout.mode))
+    comm += _collectives_seconds(st, head_collectives(st.shape, st.layout.mode, st.sp))
     return {"gemm": hf + hb, "elementwise": el_f + el_b, "tp_comm": comm}
 
 

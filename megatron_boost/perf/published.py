@@ -69,7 +69,8 @@ def compare_published(hw: Optional[HardwareSpec] = None,
         for mode in MODES:
             lay = Layout(mode=mode, tp=tp, pp=pp, dp=1, micro_batch=PUBLISHED_SETUP["micro_batch"],
                          global_batch=PUBLISHED_SETUP["micro_batch"], recompute="none",
-                         gpus_per_node=gpus_per_node)
+                         gpus_per_node=gpus_per_node,
+                         sequence_parallel=False)  # the authors' full rank: no SP
             pred = predict(shape, lay, hw)
             rows.append({"model": name, "gpu": hw.name, "gpus_per_node": gpus_per_node,
                          "tp": tp, "pp": pp, "gpus": tp * pp, "mode": mode,

@@ -4,7 +4,8 @@ performance model of :mod:`megatron_boost.perf.model`).
 
 Intended layout: one node of :data:`NODE_GPUS` GPUs, the config's TP and PP, the rest data
 parallel (dp = 8 / (tp · pp)), the config's micro-batch, global batch, recompute and optimizer
-settings. ``tools/perf_model.py --sizing-table`` prints the table; ``--write FILE`` puts it
+settings, and its sequence parallelism resolved as the trainer resolves it (full rank at TP > 1
+runs megatron's sequence parallelism unless the config turns it off). ``tools/perf_model.py --sizing-table`` prints the table; ``--write FILE`` puts it
 between the markers of FILE (tests/test_perf_model.py checks that docs/sizing.md is current).
 """
 
@@ -58,7 +59,8 @@ def _row(path: Path, root: Path) -> Dict:
                     micro_batch=tr.micro_batch_size, global_batch=tr.global_batch_size,
                     recompute=tr.recompute or "none",
                     distributed_optimizer=par.use_distributed_optimizer,
-                    overlap_grad_reduce=par.overlap_grad_reduce)
+                    overlap_grad_reduce=par.overlap_grad_reduce,
+                    sequence_parallel=par.sequence_parallel)
     shape = ModelShape.from_config(m, name=path.name)
     preds = {gpu: predict(shape, layout, hardware(gpu)) for gpu in SIZING_GPUS}
     ranks = "—" if par.mode == "full" else "/".join(str(r) for r in m.resolved_ranks())
@@ -116,8 +118,10 @@ def paper_layouts_table(root: Path) -> str:
             modes = MODES if path == config else (cfg.parallel.mode,)
             shape = ModelShape.from_config(cfg.model, name=Path(path).name)
             for mode in modes:
+                # the authors' timed setup, their full-rank baseline included (no SP)
                 layout = Layout(mode=mode, tp=tp, pp=pp, dp=1,
-                                micro_batch=cfg.training.micro_batch_size, recompute="none")
+                                micro_batch=cfg.training.micro_batch_size, recompute="none",
+                                sequence_parallel=False)
                 lines.append("| " + " | ".join([row, f"`{path}`", f"{tp}×{pp}", mode,
                                                 *_paper_cell(shape, layout)]) + " |")
     return "\n".join(lines) + "\n"
