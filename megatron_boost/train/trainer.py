@@ -103,7 +103,11 @@ def train(cfg, device: str, on_stall=None) -> int:
     """Run (or resume) the training of ``cfg``, a RunConfig validated for this launch
     (``RunConfig.validate(world_size)``), on ``device`` ('cuda' or 'cpu'). Returns the exit
     status. On CUDA, ``on_stall(RankTimeout)`` is called from :class:`StallWatch`'s thread when
-    a training step stalls (it must end the process; the entry point prints the error)."""
+    a training step stalls (it must end the process; the entry point prints the error).
+    It clears megatron's global micro-batch calculator and restores the signal handlers it
+    installed, as any long-lived process needs to train again (a notebook, a script running
+    two trainings, ``cli/pretrain.py``'s ``main(argv)`` called twice, which also shuts the
+    process groups down)."""
     init_distributed(device, collective_timeout(cfg.parallel.timeout_minutes, device))
     previous_handlers = install_signal_handlers()
     try:
