@@ -273,3 +273,14 @@ def test_resolved_fusions_reach_megatrons_config():
     run = dataclasses.replace(resolve_run(cfg, "cpu"), fusions=tuple(
         (n, n == "masked_softmax_fusion", "test") for n in FUSIONS))
     assert to_transformer_config(run).masked_softmax_fusion is True
+
+
+@pytest.mark.fast
+def test_only_initialisation_can_be_left_out_of_the_runs_megatron_config():
+    """The config is the run's: a tool may leave the weights uninitialised (it only times a
+    layer), and nothing else can be overridden past the one validation pass."""
+    run = resolve_run(load_run_config(None, []), "cpu")
+    assert to_transformer_config(run).perform_initialization is True
+    assert to_transformer_config(run, perform_initialization=False).perform_initialization is False
+    with pytest.raises(TypeError):
+        to_transformer_config(run, num_layers=1)

@@ -16,7 +16,7 @@ reference, the relaunches, the non-finite run) run the entry point in the rank p
   run before the save due at 4).
 * Hang: ``MEGATRON_BOOST_TEST_HANG_AT`` makes one rank stop responding; with
   ``parallel.timeout_minutes=0.1`` the job ends within a bounded time, naming the rank. The
-  hung rank is stuck in communication (``TestHooks.maybe_hang``), so it ends when the rank that
+  hung rank is stuck in communication (``FaultInjector.maybe_hang``), so it ends when the rank that
   found it stops, not after torchrun's 30 s SIGTERM-to-SIGKILL grace.
 * Pre-emption under the README's launcher (``scripts/run_local.sh``, ``cli/launch.py``):
   SIGINT (Ctrl-C: to the launcher's whole process group, as a terminal sends it) and SIGTERM,

@@ -10,6 +10,8 @@ itself is checked first on known code.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -108,13 +110,17 @@ MAX_TRAINER_SYNCS_PER_STEP = 3
 def trainer_for(run_dir, overrides, world_size=1):
     """A Trainer on configs/debug.yaml in this process (the process group must exist)."""
     from megatron_boost.config.run import load_run_config
+    from megatron_boost.train.metrics import Progress
     from megatron_boost.train.trainer import Trainer
 
     cfg = load_run_config("configs/debug.yaml",
                           [f"logging.run_dir={run_dir}", "logging.tensorboard=false",
                            "training.eval_iters=0", "training.train_iters=20", *overrides],
                           world_size)
-    return Trainer(cfg, "cpu")
+    trainer = Trainer(cfg, "cpu")
+    # train() starts the elapsed-time / ETA clock with its loop; these tests call iteration()
+    trainer.progress = Progress(time.perf_counter(), 0, 0, trainer.train_iters)
+    return trainer
 
 
 def close_trainer(trainer) -> None:
@@ -139,6 +145,10 @@ def _trainer_syncs(run_dir, num_layers, num_microbatches):
     trainer.device = "cuda"
     try:
         assert trainer.num_microbatches == num_microbatches
+        # The step's plain forward step, and no fault injector anywhere (no test variable set)
+        hooks = {"injector": getattr(trainer, "fault_injector", "absent"),
+                 "writer_injector": getattr(trainer.writer, "fault_injector", "absent"),
+                 "plain_forward_step": trainer.train_forward_step == trainer.forward_step}
         trainer.iteration()  # warm-up: lazy initialisation (optimizer state, buffers)
         with HostSyncCounter() as ordinary:
             trainer.iteration()  # iteration 2: no log record, no save
@@ -146,7 +156,7 @@ def _trainer_syncs(run_dir, num_layers, num_microbatches):
             trainer.iteration()  # iteration 3: a log record
     finally:
         close_trainer(trainer)
-    return {"ordinary": dict(ordinary.counts), "logged": dict(logged.counts)}
+    return {"ordinary": dict(ordinary.counts), "logged": dict(logged.counts), "hooks": hooks}
 
 
 def _trainer_worker(rank, world, run_dir):
@@ -162,3 +172,11 @@ def test_trainer_iteration_host_syncs_do_not_grow_with_parameters_or_micro_batch
     assert "cuda.synchronize" not in large["ordinary"], counts  # only at log iterations
     assert small["logged"] == large["logged"], counts
     assert large["logged"].get("cuda.synchronize") == 1, counts
+
+
+def test_trainer_without_test_variables_has_no_fault_injection_in_its_step(counts):
+    """Fault injection (train/resilience.py) exists only where a test sets its environment
+    variables; otherwise the trainer holds none and its step runs the plain forward step."""
+    for built in counts["trainer"].values():
+        assert built["hooks"] == {"injector": None, "writer_injector": None,
+                                  "plain_forward_step": True}, built["hooks"]

@@ -192,9 +192,12 @@ def resolved_config_yaml(run: ResolvedRun) -> str:
     return header + yaml.safe_dump(resolved_config(run), sort_keys=False)
 
 
-def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:
+def to_transformer_config(run: ResolvedRun, *,
+                          perform_initialization: bool = True) -> BoostTransformerConfig:
     """The megatron-core config (with the bottleneck fields) of a resolved run; a pure function
-    of ``run`` (``extra`` overrides fields, for tools that build a single layer)."""
+    of ``run``. ``perform_initialization=False`` leaves the weights uninitialised (megatron's
+    field of that name), for tools that only time a layer or measure its memory; nothing else
+    of the config can be changed here: it is the run's."""
     if not isinstance(run, ResolvedRun):
         raise TypeError(f"to_transformer_config takes a ResolvedRun (config.resolved."
                         f"resolve_run), not {type(run).__name__}")
@@ -231,9 +234,9 @@ def to_transformer_config(run: ResolvedRun, **extra) -> BoostTransformerConfig:
         attention_backend=run.attention_backend,
         overlap_bottleneck_grad_reduce=par.overlap_bottleneck_grad_reduce,
         share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
+        perform_initialization=perform_initialization,
     )
     kwargs.update({name: on for name, on, _ in run.fusions})  # device and kernels (resolve_run)
-    kwargs.update(extra)
     return BoostTransformerConfig(**kwargs)
 
 

@@ -56,9 +56,10 @@ def _self_group():
     """A process group holding only this rank, created once per default process group. With
     ``use_local_synchronization`` only the group's members take part in its creation, so each
     rank makes one call for its own group instead of every rank creating all world-size
-    one-rank groups (O(world) collective calls). A process that initialises torch.distributed
-    again (``main(argv)`` run twice in one process) gets a new one: the old group was destroyed
-    with the old default group."""
+    one-rank groups (O(world) collective calls). Keyed by the default group, as any long-lived
+    process needs: one that trains, shuts torch.distributed down (``train.distributed.shutdown``)
+    and trains again (a notebook, a script running two trainings, ``main(argv)`` called twice)
+    gets a new group, since the old one was destroyed with the old default group."""
     world = dist.group.WORLD
     if _SELF_GROUP.get("world") is not world:
         _SELF_GROUP.update(world=world, group=dist.new_group([dist.get_rank()],

@@ -31,7 +31,7 @@ from megatron_boost.train.checkpoint_guard import (
     shard_entries,
     temp_dir_for,
 )
-from megatron_boost.train.resilience import TestHooks
+from megatron_boost.train.resilience import FaultInjector
 
 __all__ = ["CheckpointWriter"]
 
@@ -40,9 +40,10 @@ class CheckpointWriter:
     """Saves sharded state dicts under ``save_dir`` (see the module docstring)."""
 
     def __init__(self, save_dir: str, async_save: bool, keep_last: Optional[int],
-                 hooks: TestHooks = TestHooks()):
+                 fault_injector: Optional[FaultInjector] = None):
         self.save_dir = Path(save_dir)
-        self.async_save, self.keep_last, self.hooks = async_save, keep_last, hooks
+        self.async_save, self.keep_last = async_save, keep_last
+        self.fault_injector = fault_injector  # None outside the fault-tolerance tests
         self.queue = None
         if async_save:
             self.queue = async_calls_queue()
@@ -62,7 +63,8 @@ class CheckpointWriter:
         def commit():
             import torch.distributed as dist
 
-            self.hooks.before_commit()
+            if self.fault_injector is not None:
+                self.fault_injector.before_commit()
             rank, world = dist.get_rank(), dist.get_world_size()
             shares = [None] * world  # each rank's fsynced, CRC'd shard files, in parallel
             dist.all_gather_object(shares, shard_entries(temp, rank, world))

@@ -1,4 +1,4 @@
-"""Faults during training: non-finite steps, unresponsive ranks, and the hooks that test them.
+"""Faults during training: non-finite steps, unresponsive ranks, and the fault injection that tests them.
 
 * Non-finite steps: :func:`agree_on_step` is the step's one all-reduce over the world and its
   one host read; it carries "this rank's loss and gradients are not finite", "this rank
@@ -18,11 +18,12 @@
   :class:`StallWatch`, a thread, asks the same gloo group who is missing once the training
   step has run ``parallel.timeout_minutes``, and the NCCL groups get a longer timeout
   (:func:`collective_timeout`), so that it reports first (docs/fault-tolerance.md).
-* Test hooks (environment variables, read once; unset in normal runs):
-  ``MEGATRON_BOOST_TEST_NAN_AT=<first>[-<last>]:<rank>`` makes that rank's loss NaN at those
-  iterations; ``MEGATRON_BOOST_TEST_HANG_AT=<iteration>:<rank>`` makes that rank stop
-  responding before that iteration (stuck in communication: see :meth:`TestHooks.maybe_hang`);
-  ``MEGATRON_BOOST_TEST_SAVE_SLEEP=<seconds>`` sleeps after
+* Fault injection for the tests (environment variables, read once; unset in normal runs, where
+  :meth:`FaultInjector.from_env` gives None and the trainer holds no injector: its step calls
+  nothing of it): ``MEGATRON_BOOST_TEST_NAN_AT=<first>[-<last>]:<rank>`` makes that rank's
+  loss NaN at those iterations; ``MEGATRON_BOOST_TEST_HANG_AT=<iteration>:<rank>`` makes that
+  rank stop responding before that iteration (stuck in communication: see
+  :meth:`FaultInjector.maybe_hang`); ``MEGATRON_BOOST_TEST_SAVE_SLEEP=<seconds>`` sleeps after
   the shards are written and before the checkpoint is committed (a window to kill a rank in).
 """
 
@@ -37,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
-__all__ = ["TestHooks", "StepAgreement", "agree_on_step", "SkipBudget", "TrainingDiverged", "RankMonitor",
+__all__ = ["FaultInjector", "StepAgreement", "agree_on_step", "SkipBudget", "TrainingDiverged", "RankMonitor",
            "RankTimeout", "process_group_timeout", "is_collective_failure", "StallWatch",
            "collective_timeout", "stall_barrier_window"]
 
@@ -85,7 +86,7 @@ def collective_timeout(minutes: float, device: str) -> datetime.timedelta:
 
 
 # ---------------------------------------------------------------------------------------------
-# test hooks
+# fault injection
 # ---------------------------------------------------------------------------------------------
 
 
@@ -101,17 +102,20 @@ def _parse_spec(name: str) -> Optional[Tuple[int, int, int]]:
 
 
 @dataclass(frozen=True)
-class TestHooks:
-    """Fault injection for the fault-tolerance tests (see the module docstring)."""
+class FaultInjector:
+    """Fault injection for the fault-tolerance tests (see the module docstring). Only
+    :meth:`from_env` builds one, and only where a test set one of its variables."""
 
     nan_at: Optional[Tuple[int, int, int]] = None
     hang_at: Optional[Tuple[int, int, int]] = None
     save_sleep_s: float = 0.0
 
     @classmethod
-    def from_env(cls) -> "TestHooks":
-        return cls(_parse_spec(ENV_NAN_AT), _parse_spec(ENV_HANG_AT),
-                   float(os.environ.get(ENV_SAVE_SLEEP, "0") or 0))
+    def from_env(cls) -> Optional["FaultInjector"]:
+        """The injector the environment asks for; None where none of its variables is set."""
+        injector = cls(_parse_spec(ENV_NAN_AT), _parse_spec(ENV_HANG_AT),
+                       float(os.environ.get(ENV_SAVE_SLEEP, "0") or 0))
+        return None if injector == cls() else injector
 
     @staticmethod
     def _hits(spec, iteration: int, rank: int) -> bool:

@@ -77,10 +77,10 @@ from megatron_boost.train.metrics import (
     validation_perplexity,
 )
 from megatron_boost.train.resilience import (
+    FaultInjector,
     RankMonitor,
     SkipBudget,
     StallWatch,
-    TestHooks,
     collective_timeout,
     is_collective_failure,
     process_group_timeout,
@@ -103,7 +103,11 @@ def train(cfg, device: str, on_stall=None) -> int:
     """Run (or resume) the training of ``cfg``, a RunConfig validated for this launch
     (``RunConfig.validate(world_size)``), on ``device`` ('cuda' or 'cpu'). Returns the exit
     status. On CUDA, ``on_stall(RankTimeout)`` is called from :class:`StallWatch`'s thread when
-    a training step stalls (it must end the process; the entry point prints the error)."""
+    a training step stalls (it must end the process; the entry point prints the error).
+    It clears megatron's global micro-batch calculator and restores the signal handlers it
+    installed, as any long-lived process needs to train again (a notebook, a script running
+    two trainings, ``cli/pretrain.py``'s ``main(argv)`` called twice, which also shuts the
+    process groups down)."""
     init_distributed(device, collective_timeout(cfg.parallel.timeout_minutes, device))
     previous_handlers = install_signal_handlers()
     try:
@@ -134,7 +138,8 @@ class Trainer:
         self.train_iters = train_iterations(cfg)
         self.dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
             else torch.device("cpu")
-        self.hooks = TestHooks.from_env()
+        # None unless a fault-tolerance test set its variables: then the step calls nothing of it
+        self.fault_injector = FaultInjector.from_env()
         self.monitor = RankMonitor(process_group_timeout(cfg.parallel.timeout_minutes))
         # NCCL: a stalled collective raises nothing; the watch names the rank (resilience.py)
         self.stall_watch = StallWatch(
@@ -149,7 +154,7 @@ class Trainer:
         resume_from = self._check_inputs()
         self._prepare_run_dir()
         self.writer = CheckpointWriter(self.save_dir, cfg.checkpoint.async_save,
-                                       cfg.checkpoint.keep_last, self.hooks)
+                                       cfg.checkpoint.keep_last, self.fault_injector)
         self.state, self.last_saved = self._resume(*resume_from)
         self._build_data()
         self.flops_per_token = flops_per_token(cfg, cfg.parallel.mode,
@@ -273,8 +278,10 @@ class Trainer:
             valid_samples=max(self.eval_iters, 1) * t.global_batch_size, test_samples=None)
         if self.valid_ds is None or len(self.valid_ds) == 0:
             self.eval_iters = 0
-        self.train_forward_step = self.hooks.wrap_forward_step(
-            self.forward_step, lambda: self.state.iteration + 1)
+        self.train_forward_step = self.forward_step
+        if self.fault_injector is not None:  # wrapped once here, never looked at in the step
+            self.train_forward_step = self.fault_injector.wrap_forward_step(
+                self.forward_step, lambda: self.state.iteration + 1)
         self.train_iterators = self._iterators(self.train_ds, self.state.consumed_samples, None,
                                                self.data_cfg.num_workers)
         self.metrics = MetricsWriter(self.run_dir, self.cfg.logging.tensorboard,
@@ -341,7 +348,8 @@ class Trainer:
         device work is waited for, and timed, by the next step's reads."""
         t, it = self.cfg.training, self.state.iteration + 1
         self.writer.poll()  # commit a finished background save
-        self.hooks.maybe_hang(it, dist.get_rank(), self.monitor.group)
+        if self.fault_injector is not None:
+            self.fault_injector.maybe_hang(it, dist.get_rank(), self.monitor.group)
         self.scheduler.step(1)  # iteration k runs at scheduler step k
         lr = float(self.optimizer.param_groups[0]["lr"])
         logged = self._logs_at(it)
