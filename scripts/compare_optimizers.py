@@ -13,7 +13,11 @@ figure and a text table (the one docs/performance.md includes).
         [--adamw-lrs 1e-3,3e-3,1e-2] [--muon-lrs 1e-3,3e-3,1e-2] \\
         [--full-adamw-lrs ...] [--full-muon-lrs ...] [--out docs/results/optimizers]
 
-A run that fails is recorded with its exit status and left out of the best-of.
+A run that fails is recorded with its exit status and left out of the best-of. With --append,
+OUT.json's runs, timings and command lines are kept: a run of the same mode, optimizer, learning
+rate and iterations replaces the old one, and a (mode, optimizer) already timed is not timed
+again. OUT.json and OUT.txt are rewritten after every run, so an interrupted sitting keeps the
+runs it finished.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -125,6 +130,9 @@ def table(results: dict) -> str:
     runs, timing = results["runs"], results["timing"]
     iters = max(r["iters"] for r in runs)
     tokens = max((r.get("tokens", 0) for r in runs), default=0)
+    mode_order = {m: i for i, m in enumerate(results["modes"])}
+    runs = sorted(runs, key=lambda r: (mode_order.get(r["mode"], len(mode_order)),
+                                       r["optimizer"], r["lr"]))
     lines = [*(f"$ {c}" for c in results["commands"]),
              f"AdamW vs Muon on the demo corpus ({CONFIG.relative_to(ROOT)}: d=256, 4 layers, "
              f"TP=2, CPU), {iters} iterations ({tokens:,} tokens) per run; "
@@ -169,7 +177,7 @@ def main(argv=None) -> int:
                    help="writes OUT.json and OUT.txt")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--append", action="store_true",
-                   help="add to OUT.json's runs (another mode measured in another sitting)")
+                   help="add to OUT.json (more runs measured in another sitting; see above)")
     args = p.parse_args(argv)
     if not (ROOT / "data/shakespeare/tokenizer.model").is_file():
         print("error: the demo corpus is missing (data/shakespeare); run scripts/demo_data.sh "
@@ -182,22 +190,37 @@ def main(argv=None) -> int:
         results = json.loads(out.with_suffix(".json").read_text())
         results.setdefault("commands", [])
     results["modes"] += [m for m in modes if m not in results["modes"]]
-    results["commands"].append(" ".join(["python", "scripts/compare_optimizers.py",
-                                         *(argv if argv is not None else sys.argv[1:])]))
+    results["commands"].append(shlex.join(["python", "scripts/compare_optimizers.py",
+                                           *(argv if argv is not None else sys.argv[1:])]))
     for mode in modes:
         for optimizer, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
             lrs = getattr(args, f"full_{optimizer}_lrs") or lrs if mode == "full" else lrs
             for lr in _floats(lrs):
-                results["runs"].append(train(mode, optimizer, lr, args.iters, Path(args.runs),
-                                             args.timeout))
+                record(results, train(mode, optimizer, lr, args.iters, Path(args.runs),
+                                      args.timeout))
                 print(json.dumps(results["runs"][-1]), flush=True)
-            results["timing"][f"{mode}-{optimizer}"] = time_steps(mode, optimizer,
-                                                                  args.timing_steps)
-            print(mode, optimizer, results["timing"][f"{mode}-{optimizer}"], flush=True)
-            out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    out.with_suffix(".txt").write_text(table(results))
+                write(results, out)
+            key = f"{mode}-{optimizer}"
+            if _floats(lrs) and key not in results["timing"]:
+                results["timing"][key] = time_steps(mode, optimizer, args.timing_steps)
+                print(mode, optimizer, results["timing"][key], flush=True)
+                write(results, out)
+    write(results, out)
     print(table(results))
     return 0
+
+
+def record(results: dict, run: dict) -> None:
+    """Add a run, replacing an earlier one of the same mode, optimizer, lr and iterations."""
+    same = ("mode", "optimizer", "lr", "iters")
+    results["runs"] = [r for r in results["runs"]
+                       if any(r[k] != run[k] for k in same)] + [run]
+
+
+def write(results: dict, out: Path) -> None:
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    if results["runs"]:
+        out.with_suffix(".txt").write_text(table(results))
 
 
 if __name__ == "__main__":

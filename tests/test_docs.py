@@ -43,6 +43,37 @@ def test_every_result_file_has_a_command():
     assert missing == []
 
 
+def _compare_optimizers():
+    spec = importlib.util.spec_from_file_location("compare_optimizers",
+                                                  ROOT / "scripts/compare_optimizers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_appended_run_replaces_its_repeat(tmp_path):
+    """compare_optimizers --append: a repeated (mode, optimizer, lr, iters) replaces the old run,
+    rows come out by mode, optimizer and lr, and earlier sittings' command lines are kept."""
+    co = _compare_optimizers()
+
+    def run(mode, lr, ppl):
+        return {"mode": mode, "optimizer": "muon", "lr": lr, "iters": 150, "exit": 0,
+                "val_ppl": {"150": ppl}, "tokens": 1}
+
+    results = {"modes": ["boost", "full"], "runs": [run("full", 3e-3, 120.0)], "timing": {},
+               "commands": ["python scripts/compare_optimizers.py --modes full"]}
+    for r in (run("full", 1e-3, 130.0), run("boost", 1e-2, 110.0), run("full", 3e-3, 100.0)):
+        co.record(results, r)
+    co.write(results, tmp_path / "optimizers")
+    text = (tmp_path / "optimizers.txt").read_text()
+    rows = [line.split()[:3] for line in text.splitlines() if line.startswith(("boost ", "full "))
+            and "@150" in line]
+    assert rows == [["boost", "muon", "0.01"], ["full", "muon", "0.001"],
+                    ["full", "muon", "0.003"]]
+    assert "@150:   100.00" in text and "120.00" not in text
+    assert text.startswith("$ python scripts/compare_optimizers.py --modes full\n")
+
+
 def test_bench_table_reads_the_json(tmp_path):
     """The benchmark table shows the JSON's own numbers (median step, ratios, overhead)."""
     rd = _render_docs()
