@@ -109,7 +109,8 @@ def test_a_valid_job_is_submitted_unchanged(fake_sbatch, tmp_path):
     (["--cpus-per-task=1"], {"NPROC_PER_NODE": "2"}, ["--cpus-per-task 1", "at least 2"]),
     ([], {"SRUN_ARGS": "--container-image=x -N 2"}, ["SRUN_ARGS '-N'", "one torchrun per node"]),
     ([], {"GLOO_SOCKET_IFNAME": "^lo"}, ["GLOO_SOCKET_IFNAME '^lo'", "interface names"]),
-], ids=["cpus-per-task", "srun-args", "gloo-ifname"])
+    ([], {"TORCHRUN": "mpirun -np 2"}, ["TORCHRUN 'mpirun -np 2'", "must end in torchrun"]),
+], ids=["cpus-per-task", "srun-args", "gloo-ifname", "torchrun"])
 def test_the_launchers_settings_are_checked_before_sbatch(fake_sbatch, tmp_path, args, env,
                                                           words):
     fake_env, record = fake_sbatch
