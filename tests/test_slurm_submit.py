@@ -109,7 +109,8 @@ def test_a_valid_job_is_submitted_unchanged(fake_sbatch, tmp_path):
     (["--cpus-per-task=1"], {"NPROC_PER_NODE": "2"}, ["--cpus-per-task 1", "at least 2"]),
     ([], {"SRUN_ARGS": "--container-image=x -N 2"}, ["SRUN_ARGS '-N'", "one torchrun per node"]),
     ([], {"GLOO_SOCKET_IFNAME": "^lo"}, ["GLOO_SOCKET_IFNAME '^lo'", "interface names"]),
-], ids=["cpus-per-task", "srun-args", "gloo-ifname"])
+    ([], {"TORCHRUN": "mpirun -np 2"}, ["TORCHRUN 'mpirun -np 2'", "must end in torchrun"]),
+], ids=["cpus-per-task", "srun-args", "gloo-ifname", "torchrun"])
 def test_the_launchers_settings_are_checked_before_sbatch(fake_sbatch, tmp_path, args, env,
                                                           words):
     fake_env, record = fake_sbatch
@@ -126,3 +127,25 @@ def test_container_and_network_settings_are_submitted(fake_sbatch, tmp_path):
                   NCCL_SOCKET_IFNAME="^docker", SRUN_ARGS="--container-image=img.sqsh")
     assert proc.returncode == 0, proc.stderr
     assert record.read_text().splitlines()[:2] == ["-c", "4"]
+
+
+SBATCH = REPO / "scripts" / "slurm" / "pretrain.sbatch"
+
+
+@pytest.mark.parametrize("env,words", [
+    ({}, ["not running under Slurm", "submit.sh"]),
+    ({"SLURM_JOB_ID": "7", "PYTHON_ENV": "/nonexistent/venv"},
+     ["PYTHON_ENV '/nonexistent/venv'", "bin/activate"]),
+    ({"SLURM_JOB_ID": "7", "PRETRAIN_SCRIPT": "/nonexistent/train.py"},
+     ["PRETRAIN_SCRIPT '/nonexistent/train.py'", "repository root"]),
+], ids=["outside-slurm", "python-env", "entry-point"])
+def test_the_job_scripts_own_refusals_are_one_error_line(tmp_path, env, words):
+    """What the job script refuses before any step starts (run directly, as sbatch would run
+    it on the first node) is one `error:` line and status 2, like every other bad input."""
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in ("PYTHON_ENV", "PRETRAIN_SCRIPT")}
+    proc = subprocess.run(["bash", str(SBATCH), "configs/debug.yaml"],
+                          env={**base, "SLURM_SUBMIT_DIR": str(REPO), **env}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    _one_error_line(proc, *words)
+    assert proc.stdout == "", proc.stdout

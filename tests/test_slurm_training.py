@@ -83,22 +83,26 @@ def test_one_node_two_processes_trains_and_writes_metrics(one_node_losses):
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
 
 
-def test_failing_trainer_fails_the_job(slurm_cluster_of, job):
-    # One process: the failure and what the launcher makes of it do not depend on the count
-    # (tests/test_slurm.py fails one of two ranks).
+def test_a_config_error_fails_the_job_with_one_error_line(slurm_cluster_of, job):
+    # Two processes: the error is one line in the log, not one per rank nor torchrun's report
+    # (tests/test_slurm.py fails both ranks of a started run); usage status 2.
     rc, jid = _submit(slurm_cluster_of(1), job, ["model.hiden_size=3"],
-                      env={"NPROC_PER_NODE": "1"})
+                      env={"NPROC_PER_NODE": "2"})
     log = job.log(jid)
-    assert rc != 0, log
-    assert "unknown key 'hiden_size'" in log
+    assert rc == 2, log
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "unknown key 'hiden_size'" in errors[0], log
+    assert "ChildFailedError" not in log and "Traceback" not in log, log
     assert "requeue" not in log
 
 
 PREEMPT_ITERS = 20
+LAUNCHER = "megatron_boost.cli.launch"
 
 
 def _trainer_ranks(cluster) -> list[int]:
-    """PIDs of the trainer ranks of the cluster's running job: torchrun's children."""
+    """PIDs of the trainer ranks of the cluster's running job: the children of the launcher
+    (torchrun runs in its process)."""
     def cmdline(pid):
         try:
             return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -112,8 +116,7 @@ def _trainer_ranks(cluster) -> list[int]:
             return 0
 
     return [pid for pid in cluster.job_pids() if "pretrain_lowrank.py" in cmdline(pid)
-            and "torch.distributed.run" not in cmdline(pid)
-            and "torch.distributed.run" in cmdline(ppid(pid))]
+            and LAUNCHER not in cmdline(pid) and LAUNCHER in cmdline(ppid(pid))]
 
 
 def _proc_status(pid: int) -> dict:

@@ -23,6 +23,9 @@ data against the tokenizer: ``pretrain_lowrank.py --check``), so a bad input end
 
 Several nodes: the same command on every node with ``--nnodes N --node-rank K --rdzv-endpoint
 HOST0:29500`` (c10d rendezvous); each node's launcher prints the first error of its own ranks.
+``scripts/slurm/pretrain.sbatch`` runs it once per node (adding ``--rdzv-id``, and ``--entry``
+when PRETRAIN_SCRIPT names another trainer script, which is launched without the check: its
+configuration is its own).
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="this node's index, 0 .. nnodes-1")
     parser.add_argument("--rdzv-endpoint", default=None,
                         help="HOST:PORT of node 0's rendezvous (required with --nnodes > 1)")
+    parser.add_argument("--rdzv-id", default=None,
+                        help="the job's rendezvous id, the same on every node (torchrun's)")
+    parser.add_argument("--entry", default=ENTRY,
+                        help="the trainer script torchrun starts on each rank (default: "
+                             "pretrain_lowrank.py; another script is not checked first)")
     parser.add_argument("--config", required=True, help="YAML run configuration")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
@@ -75,15 +83,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def torchrun_args(args: argparse.Namespace) -> List[str]:
-    """torchrun's command line for this launch (standalone on one node)."""
-    if args.nnodes == 1:
+    """torchrun's command line for this launch (standalone on one node without an endpoint)."""
+    if args.nnodes == 1 and not args.rdzv_endpoint:
         where = ["--standalone"]
     else:
         where = [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}",
                  "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+        if args.rdzv_id:
+            where.append(f"--rdzv-id={args.rdzv_id}")
     return [*where, f"--nproc-per-node={args.nproc_per_node}",
             f"--signals-to-handle={TORCHRUN_SIGNALS}",
-            ENTRY, "--config", args.config, *args.overrides]
+            args.entry, "--config", args.config, *args.overrides]
+
+
+def _is_the_trainer(entry: str) -> bool:
+    """Whether the entry is the project's trainer, whose configuration the launcher checks."""
+    return os.path.basename(entry) == os.path.basename(ENTRY)
 
 
 class _RankSignals:
@@ -159,7 +174,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     130 after a second Ctrl-C)."""
     args = parse_args(argv)
     try:
-        _validate(args)
+        if _is_the_trainer(args.entry):
+            _validate(args)
     except ValueError as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise
