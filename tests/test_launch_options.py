@@ -41,3 +41,26 @@ def test_another_entry_is_launched_without_the_config_check(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "own.yaml.ran").read_text().endswith("own.yaml k=v")
+
+
+@pytest.mark.parametrize("where,env,lines", [
+    (["--node-rank", "0"], {}, 1),
+    (["--node-rank", "1"], {}, 0),
+    ([], {"SLURM_NODEID": "1"}, 0),  # a Slurm step leaves the node rank to the rendezvous
+    ([], {"SLURM_NODEID": "0"}, 1),
+], ids=["node0", "node1", "slurm-node1", "slurm-node0"])
+def test_a_config_error_is_one_line_for_the_whole_job(where, env, lines, monkeypatch, capsys):
+    """Every node's launcher checks the same configuration: node 0's prints the error, the
+    others exit 2 without a line, so a job of N nodes shows one line, not N."""
+    from megatron_boost.cli.launch import main
+
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    status = main(["--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", "h:29500",
+                   *where, "--config", str(REPO / "configs/debug.yaml"),
+                   "training.train_iter=3"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert len([ln for ln in err.splitlines() if ln.startswith("error:")]) == lines, err
+    assert "Traceback" not in err

@@ -22,7 +22,9 @@ data against the tokenizer: ``pretrain_lowrank.py --check``), so a bad input end
   what the ranks print is the run's output.
 
 Several nodes: the same command on every node with ``--nnodes N --node-rank K --rdzv-endpoint
-HOST0:29500`` (c10d rendezvous); each node's launcher prints the first error of its own ranks.
+HOST0:29500`` (c10d rendezvous); a configuration error is printed by node 0's launcher only
+(every node checks the same configuration), and each node's launcher prints the first error of
+its own ranks.
 ``scripts/slurm/pretrain.sbatch`` runs it once per node (adding ``--rdzv-id``, and ``--entry``
 when PRETRAIN_SCRIPT names another trainer script, which is launched without the check: its
 configuration is its own).
@@ -147,6 +149,16 @@ class _RankSignals:
                 pass  # exited meanwhile
 
 
+def _node_index(args: argparse.Namespace) -> int:
+    """This launcher's node: ``--node-rank``, or, in a Slurm step that leaves it to the c10d
+    rendezvous (scripts/slurm/pretrain.sbatch), the step's node index ``SLURM_NODEID``. Every
+    node validates the same configuration, so only node 0 prints a configuration error: one
+    line for the job, not one per node (the others exit 2 quietly)."""
+    if args.node_rank:
+        return args.node_rank
+    return int(os.environ.get("SLURM_NODEID", "0") or 0)
+
+
 def _validate(args: argparse.Namespace) -> None:
     from megatron_boost.config.run import load_run_config
 
@@ -179,7 +191,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise
-        print_error(err)
+        if _node_index(args) == 0:
+            print_error(err)
         return USAGE_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         print("error: interrupted before the launch; nothing was started", file=sys.stderr)
