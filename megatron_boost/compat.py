@@ -32,8 +32,8 @@ megatron knowledge that is the same in every supported version, kept here with w
   derived group such as ``tp_cp`` exists only where the collection was made with it; naive
   mode's one-rank TP replaces it with the CP group alone (:func:`with_one_rank_tp`).
 * CPU mode (runtime/cpu_mode.py, docs/design.md §9) replaces megatron's own CUDA-only
-  functions, by module attribute (0.16 to 0.19 alike): the tensor-parallel RNG state calls and
-  the causal mask that the unfused softmax imports for itself (:func:`megatron_cuda_functions`).
+  functions, by module attribute (0.16 to 0.19 alike): the tensor-parallel RNG state calls
+  (:func:`megatron_cuda_functions`).
   With the distributed-optimizer reload workarounds (train/megatron_fixes.py, gated by
   :func:`optimizer_reload_defects`), these are every megatron attribute megatron-boost
   replaces for a run; the collective recorder (analysis/collectives.py) only wraps, without
@@ -294,19 +294,18 @@ def optimizer_param_groups(model_chunks, config) -> list:
 def megatron_cuda_functions():
     """megatron's own functions that assume CUDA, looked up by module attribute at call time,
     that CPU mode replaces (runtime/cpu_mode.py): ``(module, attribute, role)`` where ``role``
-    names the CPU replacement (``get_rng_state``, ``set_rng_state``, ``causal_mask``). The same
-    in megatron-core 0.16 to 0.19; each is still needed because megatron calls it on
-    ``torch.cuda`` with no device argument or hook, and a recompute calls it from autograd's
-    backward, outside CPU mode's function mode (tests/test_cpu_mode.py fails without each).
+    names the CPU replacement (``get_rng_state``, ``set_rng_state``). The same in megatron-core
+    0.16 to 0.19; each is still needed because megatron calls it on ``torch.cuda`` with no
+    device argument or hook, which CPU mode's function mode cannot map (tests/test_cpu_mode.py
+    fails without each).
 
     * ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``: the RNG
-      tracker's ``add`` and ``fork`` and megatron's activation checkpoint;
-    * ``fusions.fused_softmax.get_default_causal_mask``: the unfused softmax builds its causal
-      mask with ``device="cuda"``; fused_softmax imports its own reference, so the helper's
-      home module (transformer.utils) is not the one looked up."""
-    import megatron.core.fusions.fused_softmax as fused_softmax
+      tracker's ``add`` and ``fork`` and megatron's activation checkpoint.
+
+    megatron's causal-mask helper (``get_default_causal_mask``, ``device="cuda"``) needs no
+    replacement: CPU mode runs every backward pass inside its function mode (the recomputes
+    included), so the mode maps that allocation like any other."""
     import megatron.core.tensor_parallel.random as mrandom
 
     return ((mrandom, "_get_cuda_rng_state", "get_rng_state"),
-            (mrandom, "_set_cuda_rng_state", "set_rng_state"),
-            (fused_softmax, "get_default_causal_mask", "causal_mask"))
+            (mrandom, "_set_cuda_rng_state", "set_rng_state"))

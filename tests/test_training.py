@@ -474,7 +474,8 @@ def test_wandb_offline_logs_the_metrics_and_a_resume_continues_the_run(tmp_path)
                       if r.WhichOneof("record_type") == "run")
     config = {i.key or ".".join(i.nested_key): json.loads(i.value_json)
               for i in run_record.config.update}
-    assert config["parallel"]["tp"] == 2 and config["resolved"]["device"] == "cpu", config
+    assert config["parallel"]["tp"] == 2 and config["training"]["device"] == "cpu", config
+    assert config["resolved"]["world_size"] == 2, config
     # wandb's background service ended with each run
     left = [p for p in psutil.Process().children(recursive=True) if "wandb" in p.name()]
     assert not left, left

@@ -29,7 +29,6 @@ run; :func:`restore_cuda` undoes every patch and leaves the function mode.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 import warnings
@@ -168,12 +167,6 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
 
 
-@functools.lru_cache(maxsize=None)
-def _cpu_causal_mask(sq: int) -> torch.Tensor:
-    """megatron's get_default_causal_mask on the CPU (same values)."""
-    return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
-
-
 def _patch(owner: Any, name: str, value: Any) -> None:
     _STATE["patches"].append((owner, name, getattr(owner, name, _ABSENT)))
     setattr(owner, name, value)
@@ -210,12 +203,8 @@ def _install_patches() -> None:
     _patch(cuda, "manual_seed", _cpu_manual_seed)
     # torch.manual_seed seeds the CPU generator itself and then every CUDA device: none here.
     _patch(cuda, "manual_seed_all", lambda *a, **k: None)
-    # megatron's own CUDA-only functions (compat.py lists them). The causal mask is allocated
-    # with device="cuda": in a forward pass the function mode maps it, but a recompute
-    # (megatron's selective/full recompute) re-runs the forward inside autograd's backward,
-    # where the engine runs with an empty function-mode stack.
-    replacement = {"get_rng_state": _cpu_get_rng_state, "set_rng_state": _cpu_set_rng_state,
-                   "causal_mask": _cpu_causal_mask}
+    # megatron's own CUDA-only functions (compat.py lists them).
+    replacement = {"get_rng_state": _cpu_get_rng_state, "set_rng_state": _cpu_set_rng_state}
     for owner, name, role in megatron_cuda_functions():
         _patch(owner, name, replacement[role])
 
