@@ -30,7 +30,7 @@
 #                         libraries; they also run on the CPU)
 #   EXTRAS=a,b            the optional extras of pyproject.toml to install. Default: what
 #                         scripts/demo.sh uses (plot, tensorboard, convert); scripts/test.sh
-#                         asks for test,plot,tensorboard,convert,eval.
+#                         asks for test,plot,tensorboard,convert,eval,wandb.
 #
 # The CPU build is always named with its +cpu local version, which PyPI does not carry, so a
 # multi-GB CUDA build is never installed by accident. Everything but torch is re-installed only

@@ -12,8 +12,8 @@ if [ "${1:-}" = "--fast" ]; then
   tier=(-m fast)
 fi
 cd "$(dirname "$0")/.."
-# The suite needs every extra: pytest, matplotlib, tensorboard, the conversion and lm-eval.
-EXTRAS=${EXTRAS:-test,plot,tensorboard,convert,eval} scripts/setup_env.sh
+# The suite needs every extra: pytest, matplotlib, tensorboard, the conversion, lm-eval and wandb.
+EXTRAS=${EXTRAS:-test,plot,tensorboard,convert,eval,wandb} scripts/setup_env.sh
 # Slurm for tests/test_slurm.py: a real scheduler on this machine (those tests skip without it).
 # Installed only as root on Debian-like machines; a failed install warns and carries on.
 slurm_missing=0
