@@ -96,7 +96,10 @@ def test_two_workers_keep_each_file_and_each_group_on_one_worker(tmp_path):
     for stem in stems:
         (tmp_path / f"{stem}.py").write_text(_RECORDING_TEST)
     record = tmp_path / "workers.txt"
-    env = dict(os.environ, WORKER_RECORD=str(record))
+    # the copied conftest imports the suite's hook modules (tests.leak_check): the repository
+    # root on the path, as pytest puts it there for the real suite
+    path = os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, WORKER_RECORD=str(record), PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p",
                            "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path),
                            str(tmp_path)], cwd=tmp_path, env=env, capture_output=True,
