@@ -64,11 +64,26 @@ def _is_xdist_controller(config) -> bool:
 _REPORTED_BY_WORKERS: List[str] = []
 
 
+def _release_checkpoint_results_queue() -> None:
+    """End megatron's checkpoint-writer results Manager, as this process's exit would: megatron
+    starts it at a process's first save and keeps it, through its module's results queue, for
+    the life of the process (docs/design.md §10.4); dropping the queue lets the manager's
+    finaliser stop its server process. The session's end stands for the process's end here."""
+    import gc
+
+    writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if writer is not None and getattr(writer, "_results_queue", None) is not None:
+        writer._results_queue = None
+        gc.collect()
+
+
 def _end_leftovers() -> List[str]:
-    """Close the rank pool, then describe and kill this process's descendants still running."""
+    """Close the rank pool and megatron's checkpoint-writer manager, then describe and kill this
+    process's descendants still running."""
     pool = sys.modules.get("tests.rank_pool")
     if pool is not None:
         pool.close_pool()
+    _release_checkpoint_results_queue()
     left = outliving_processes()
     described = [_describe(proc) for proc in left]
     for proc in left:
