@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 # No process outlives the session: checked when it ends (tests/leak_check.py).
-from tests.leak_check import pytest_sessionfinish, pytest_testnodedown  # noqa: F401  (hooks)
+from tests.leak_check import (  # noqa: F401  (hooks)
+    pytest_sessionfinish, pytest_sessionstart, pytest_testnodedown)
 
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # the trainer's pre-emption signals

@@ -6,6 +6,13 @@ or not, must end within :data:`GRACE_S`. Those still running are named in one ``
 each, killed, and the session fails. The process's own multiprocessing resource tracker ends
 with it and is not counted; an exited child not yet reaped (a zombie) does not run.
 
+"Started by this session" cannot be read from the process tree alone: a process whose parent
+ended is adopted by init (or a subreaper) and is no longer a descendant. So the session puts a
+token of its own in its environment when it starts (:data:`SESSION_VAR`); every process started
+after that inherits it, and at the end every process whose environment holds the token counts,
+orphaned or not. A nested session (a test that runs pytest) replaces the token with its own and
+checks its processes itself.
+
 conftest.py takes the hook from here; a pytest run of any other test directory can load it with
 ``-p tests.leak_check`` (tests/test_rank_pool.py leaks a process tree on purpose that way).
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import uuid
 from typing import List
 
 import psutil
@@ -23,6 +31,10 @@ import pytest
 #: How long the processes left at the end of a session get to finish (tests/test_leak_check.py
 #: shortens it for its own sessions through the environment).
 GRACE_S = float(os.environ.get("LEAK_CHECK_GRACE_S", "10"))
+
+
+#: The environment variable that carries the session's token to every process it starts.
+SESSION_VAR = "LEAK_CHECK_SESSION"
 
 
 def _own_resource_tracker() -> int:
@@ -38,12 +50,31 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def outliving_processes(grace_s: float = GRACE_S) -> List[psutil.Process]:
-    """This process's descendants still running after ``grace_s``, but its resource tracker."""
+def _started_by_this_session(proc: psutil.Process, token: str) -> bool:
+    try:
+        return proc.environ().get(SESSION_VAR) == token
+    except psutil.Error:  # ended meanwhile, or not ours to read
+        return False
+
+
+def _session_processes() -> List[psutil.Process]:
+    """The running processes this session started: its descendants, and every process that
+    carries its token (an orphan is no descendant any more)."""
     me, tracker = psutil.Process(), _own_resource_tracker()
+    token = os.environ.get(SESSION_VAR)
+    found = {p.pid: p for p in me.children(recursive=True)}
+    if token:
+        found.update((p.pid, p) for p in psutil.process_iter()
+                     if p.pid not in found and _started_by_this_session(p, token))
+    return [p for pid, p in found.items() if pid not in (me.pid, tracker) and _running(p)]
+
+
+def outliving_processes(grace_s: float = GRACE_S) -> List[psutil.Process]:
+    """The processes this session started still running after ``grace_s``, but its resource
+    tracker."""
     deadline = time.monotonic() + grace_s
     while True:
-        alive = [p for p in me.children(recursive=True) if p.pid != tracker and _running(p)]
+        alive = _session_processes()
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.2)
@@ -93,6 +124,13 @@ def _end_leftovers() -> List[str]:
             pass
     psutil.wait_procs(left, timeout=5)
     return described
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Mark every process started from now on as this session's (an xdist controller's token
+    reaches its workers, which replace it with their own)."""
+    os.environ[SESSION_VAR] = f"{os.getpid()}-{uuid.uuid4().hex}"
 
 
 def pytest_testnodedown(node, error):

@@ -198,8 +198,7 @@ class RankPool:
         for proc, _ in self._workers:
             proc.join(timeout=wait_s)
             if proc.is_alive():
-                proc.kill()
-                proc.join()
+                _kill_tree(proc)
         self._workers = []
 
     def run(self, world: int, argv: List[str], env: Dict[str, str], cwd: str,
@@ -292,6 +291,28 @@ class RankPool:
                 if failed(results[conns[conn]][0]):
                     deadline = min(deadline, time.monotonic() + self.FAILURE_GRACE)
         return [results[r] for r in range(world)]
+
+
+def _kill_tree(proc) -> None:
+    """Kill a rank process and every process it started. A rank that exits stops its helpers
+    (megatron's checkpoint-writer manager among them), but a killed one cannot; its helpers,
+    started from this pool's ``__main__`` rather than a launch script, do not import
+    megatron_boost and so do not die with their parent (megatron_boost/runtime/lifetime.py):
+    they are found before the kill, while they are still the rank's descendants."""
+    import psutil
+
+    try:
+        helpers = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        helpers = []
+    proc.kill()
+    proc.join()
+    for helper in helpers:
+        try:
+            helper.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(helpers, timeout=10)
 
 
 def _tails(files) -> str:

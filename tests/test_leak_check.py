@@ -1,5 +1,7 @@
 """The end-of-session process check (tests/leak_check.py): a session that leaves a process tree
-running fails, naming it, and the tree is gone afterwards; a clean session passes."""
+running fails, naming it, and the tree is gone afterwards; so does one that leaves an orphan (a
+process whose parent has ended, no longer a descendant of the session); a clean session
+passes."""
 
 from __future__ import annotations
 
@@ -23,6 +25,15 @@ import subprocess
 def test_leaves_a_process_tree():
     # a shell whose two children sleep: a tree of three, none waited for
     subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300"])
+'''
+
+_ORPHAN = '''
+import subprocess
+
+
+def test_leaves_an_orphan():
+    # the shell starts a sleep in a subshell and ends: the sleep is adopted by init
+    subprocess.run(["bash", "-c", "(sleep 300 &)"], check=True)
 '''
 
 _CLEAN = '''
@@ -53,6 +64,18 @@ def test_a_leaked_process_tree_fails_the_session(tmp_path):
     alive = [p for p in pids if psutil.pid_exists(p)
              and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], out
+
+
+def test_an_orphaned_process_fails_the_session(tmp_path):
+    """A process whose parent ended before the session did still counts: it carries the
+    session's token (without the token, the check sees descendants only and passes this)."""
+    proc = _session(tmp_path, _ORPHAN)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
+    named = re.findall(r"error: process (\d+) \((.*)\) outlived the test session", out)
+    assert [cmd for _, cmd in named] == ["sleep 300"], out
+    pid = int(named[0][0])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_a_clean_session_passes(tmp_path):
