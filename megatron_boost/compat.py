@@ -28,9 +28,6 @@ is handled here:
 
 megatron knowledge that is the same in every supported version, kept here with why:
 
-* ``ProcessGroupCollection`` declares its groups without defaults (0.16 to 0.19), so a
-  derived group such as ``tp_cp`` exists only where the collection was made with it; naive
-  mode's one-rank TP replaces it with the CP group alone (:func:`with_one_rank_tp`).
 * CPU mode (runtime/cpu_mode.py, docs/design.md §9) replaces megatron's own CUDA-only
   functions, by module attribute (0.16 to 0.19 alike): the tensor-parallel RNG state calls
   (:func:`megatron_cuda_functions`).
@@ -61,7 +58,7 @@ __all__ = ["SUPPORTED_MEGATRON", "megatron_version", "megatron_supported",
            "linear_with_dgrad_allreduce", "forward_backward_func", "save_sharded",
            "load_sharded", "async_calls_queue", "ASYNC_SAVE_STRATEGY",
            "optimizer_reload_defects", "null_tokenizer", "rank_zero_without_process_group",
-           "with_one_rank_tp", "optimizer_param_groups", "megatron_cuda_functions"]
+           "optimizer_param_groups", "megatron_cuda_functions"]
 
 #: The megatron-core versions megatron-boost is tested with (pyproject.toml says the same).
 SUPPORTED_MEGATRON = ">=0.16,<0.20"
@@ -263,18 +260,6 @@ def rank_zero_without_process_group():
         yield
     finally:
         torch.distributed.get_rank = original
-
-
-def with_one_rank_tp(pgs, one_rank_group):
-    """A copy of the process-group collection ``pgs`` with TP replaced by ``one_rank_group``
-    (naive mode's decoder, docs/design.md §2). Its derived TP × CP group ``tp_cp`` becomes the
-    CP group alone (or the one-rank group without CP). megatron-core 0.16 to 0.19 declare both
-    without defaults, so each is replaced only where the collection has it."""
-    out = copy.copy(pgs)
-    out.tp = one_rank_group
-    if hasattr(pgs, "tp_cp"):
-        out.tp_cp = pgs.cp if hasattr(pgs, "cp") else one_rank_group
-    return out
 
 
 # --------------------------------------------------------------------------------------------

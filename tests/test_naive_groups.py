@@ -1,6 +1,7 @@
 """naive mode's one-rank decoder group (megatron_boost/model/specs.py, docs/design.md §2): each
-rank creates only its own group, with one call, instead of every rank creating all world-size
-one-rank groups; a process whose process group is created again gets a new one."""
+rank creates only its own group, with one call per model build, instead of every rank creating
+all world-size one-rank groups; a process whose process group is created again gets a new
+one."""
 
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ def _group_calls(rank, world):
 
     dist.new_group = counting
     try:
-        pgs = replicated_decoder_pgs(default_pg_collection())
-        replicated_decoder_pgs(default_pg_collection())  # the group is made once per process
+        pgs = replicated_decoder_pgs(default_pg_collection())  # one model build
     finally:
         dist.new_group = new_group
     return {"calls": calls, "size": dist.get_world_size(pgs.tp),
@@ -37,3 +37,4 @@ def test_each_rank_creates_only_its_own_group():
         for rank, out in enumerate(distributed(_group_calls, 2)):
             assert out["calls"] == [[rank]], out
             assert out["size"] == 1 and out["members"] == [rank]
+

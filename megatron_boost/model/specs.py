@@ -29,8 +29,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_boost.compat import (local_layer_spec, spec_submodules, te_layer_spec,
-                                   with_one_rank_tp)
+from megatron_boost.compat import local_layer_spec, spec_submodules, te_layer_spec
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.attention import core_attention_class
@@ -49,22 +48,13 @@ from megatron_boost.parallel.recompute import lowrank_checkpoint
 __all__ = ["get_layer_spec", "BottleneckTransformerLayer", "default_pg_collection", "te_norm",
            "replicated_decoder_pgs"]
 
-_SELF_GROUP = {}
-
-
-def _self_group():
-    """A process group holding only this rank, created once per default process group. With
+def _own_rank_group():
+    """A new process group holding only this rank, for one model build. With
     ``use_local_synchronization`` only the group's members take part in its creation, so each
     rank makes one call for its own group instead of every rank creating all world-size
-    one-rank groups (O(world) collective calls). Keyed by the default group, as any long-lived
-    process needs: one that trains, shuts torch.distributed down (``train.distributed.shutdown``)
-    and trains again (a notebook, a script running two trainings, ``main(argv)`` called twice)
-    gets a new group, since the old one was destroyed with the old default group."""
-    world = dist.group.WORLD
-    if _SELF_GROUP.get("world") is not world:
-        _SELF_GROUP.update(world=world, group=dist.new_group([dist.get_rank()],
-                                                             use_local_synchronization=True))
-    return _SELF_GROUP["group"]
+    one-rank groups (O(world) collective calls). Made per build, from the default group of the
+    moment, so a build never holds a group that a shutdown destroyed."""
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 def default_pg_collection() -> ProcessGroupCollection:
@@ -75,7 +65,12 @@ def default_pg_collection() -> ProcessGroupCollection:
 def replicated_decoder_pgs(pgs: ProcessGroupCollection) -> ProcessGroupCollection:
     """The naive decoder's groups: TP replaced by a one-rank group (attention, MLP activation
     and norms run on the full, replicated tensors)."""
-    return with_one_rank_tp(pgs, _self_group())
+    out = copy.copy(pgs)
+    # Only TP itself: megatron's decoder layers read tp, cp and pp, and otherwise only the
+    # groups of features these models do not use (experts; 0.19's weight rematerialisation;
+    # ``tp_cp`` in MoE routers and CUDA graphs), 0.16 to 0.19 alike.
+    out.tp = _own_rank_group()
+    return out
 
 
 class BottleneckTransformerLayer(TransformerLayer):

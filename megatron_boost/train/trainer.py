@@ -104,10 +104,10 @@ def train(cfg, device: str, on_stall=None) -> int:
     (``RunConfig.validate(world_size)``), on ``device`` ('cuda' or 'cpu'). Returns the exit
     status. On CUDA, ``on_stall(RankTimeout)`` is called from :class:`StallWatch`'s thread when
     a training step stalls (it must end the process; the entry point prints the error).
-    It clears megatron's global micro-batch calculator and restores the signal handlers it
-    installed, as any long-lived process needs to train again (a notebook, a script running
-    two trainings, ``cli/pretrain.py``'s ``main(argv)`` called twice, which also shuts the
-    process groups down)."""
+    It leaves what it set up as it found it: megatron's global micro-batch calculator is
+    cleared and its signal handlers restored, so a process of one rank (a notebook, a script)
+    can train again. A second run in the same torchrun-launched processes needs a rendezvous
+    of its own (a new ``MASTER_PORT``): torch's store still holds the first run's keys."""
     init_distributed(device, collective_timeout(cfg.parallel.timeout_minutes, device))
     previous_handlers = install_signal_handlers()
     try:
