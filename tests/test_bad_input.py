@@ -342,6 +342,8 @@ CASES = [
          ("logging.peak_tflops", "-3", "positive")),
     Case("adam_beta_out_of_range", train("optimizer.adam_beta2=1"),
          ("optimizer.adam_beta2", "1", "[0, 1)")),
+    Case("dropout_out_of_range", train("model.hidden_dropout=1.0"),
+         ("model.hidden_dropout", "1.0", "[0, 1)", "0.0 for no dropout")),
     Case("num_layers_zero", train("model.num_layers=0"), ("model.num_layers", "0",
                                                           "positive")),
     Case("seq_length_zero", train("model.seq_length=0"), ("model.seq_length", "0",
