@@ -344,6 +344,8 @@ CASES = [
          ("optimizer.adam_beta2", "1", "[0, 1)")),
     Case("dropout_out_of_range", train("model.hidden_dropout=1.0"),
          ("model.hidden_dropout", "1.0", "[0, 1)", "0.0 for no dropout")),
+    Case("boost_hidden_dropout_at_tp2", check(2, "parallel.tp=2", "model.hidden_dropout=0.1"),
+         ("model.hidden_dropout", "0.1", "parallel.tp=1", "boost", "same positions")),
     Case("num_layers_zero", train("model.num_layers=0"), ("model.num_layers", "0",
                                                           "positive")),
     Case("seq_length_zero", train("model.seq_length=0"), ("model.seq_length", "0",

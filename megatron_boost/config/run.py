@@ -83,10 +83,12 @@ class ModelConfig:
     (torch scaled_dot_product_attention), local (megatron's DotProductAttention), te
     (Transformer Engine, CUDA only)."""
     hidden_dropout: float = 0.0
-    """Dropout probability of megatron's hidden dropout (its field of that name): the output of
-    every attention and MLP block before its residual add, and in full and naive mode the
-    embedding's output; in [0, 1), 0 for none (CoLA and LLaMA pretrain without). Training
-    mode only."""
+    """Dropout probability of megatron's hidden dropout (its field of that name): the
+    embedding's output and the output of every attention and MLP block before its residual
+    add; in [0, 1), 0 for none (CoLA and LLaMA pretrain without). Training mode only. boost
+    refuses it at tp > 1: its residual stream is sharded along the hidden dimension, and
+    megatron draws this mask from the generator every TP rank shares, so every shard would
+    drop the same positions."""
     attention_dropout: float = 0.0
     """Dropout probability on the attention probabilities (megatron's field of that name;
     every attention backend applies it); in [0, 1), 0 for none. Training mode only."""
