@@ -53,16 +53,18 @@ def _run_config(mode, tp):
 
 
 def _model_stats(mode, tp):
-    """FLOPs (forward; forward + backward) and saved activation bytes of one micro-batch."""
-    from megatron_boost.config.resolved import padded_vocab_size, resolve_run, to_transformer_config
-    from megatron_boost.model.gpt import build_model
-    from megatron_boost.model.init import init_global_weights
+    """FLOPs (forward; forward + backward) and saved activation bytes of one micro-batch of
+    the model built through the one builder, in training mode (its saved activations are a
+    training step's)."""
+    from megatron_boost.config.resolved import resolve_run
+    from megatron_boost.train.build import build_run
 
     cfg = _run_config(mode, tp)
-    config = to_transformer_config(resolve_run(cfg))
-    vocab = padded_vocab_size(MODEL["vocab_size"], tp)
-    model = build_model(config, vocab, S)[0]
-    init_global_weights([model], SEED, config)
+    cfg.training.seed = SEED
+    run = resolve_run(cfg, "cpu", vocab_size=MODEL["vocab_size"])
+    vocab = run.padded_vocab_size
+    (model,) = build_run(run, training=False).chunks  # no DDP, no optimizer: the bare model
+    model.train()
     g = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, MODEL["vocab_size"], (B, S + 1), generator=g)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

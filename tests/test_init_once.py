@@ -2,13 +2,14 @@
 (docs/design.md §8) overwrites every parameter, and nothing is left uninitialised.
 
 For each mode at TP=2 (two gloo ranks), the model built the way the trainer builds it
-(``build_globally_initialised``: megatron's ``perform_initialization`` off, then
-``init_global_weights``) must equal, bitwise, the model built with megatron's init on and then
-overwritten by ``init_global_weights``. A parameter the global init missed would keep
-uninitialised memory on one side and megatron's draw on the other. megatron sets the TP
-attributes of its layers' weights only in its init functions; they must be the same on both
-sides too (else the gradient norm counts those weights on one TP rank). A parameter without a
-global checkpoint key is refused by name.
+(``build_run``, which draws through ``build_globally_initialised``: megatron's
+``perform_initialization`` off, then ``init_global_weights``) must equal, bitwise, the model
+``build_run`` builds when that one step is replaced by megatron's init on and then
+``init_global_weights`` over it. A parameter the global init missed would keep uninitialised
+memory on one side and megatron's draw on the other. megatron sets the TP attributes of its
+layers' weights only in its init functions; they must be the same on both sides too (else the
+gradient norm counts those weights on one TP rank). A parameter without a global checkpoint
+key is refused by name.
 """
 
 from __future__ import annotations
@@ -33,23 +34,39 @@ class _Unkeyed(torch.nn.Module):
         return {}
 
 
-def _models(mode):
-    from megatron_boost.config.resolved import resolve_run, to_transformer_config
+def _built_chunks(overrides, megatron_init_first: bool = False):
+    """This rank's model chunks of configs/debug.yaml with ``overrides`` at seed SEED, built
+    through the one builder (``build_run``, no optimizer). ``megatron_init_first``: the
+    reference: the builder's one initialising step (``build_globally_initialised``) replaced
+    by the build with megatron's own init (``perform_initialization`` on) and
+    ``init_global_weights`` over it."""
+    import megatron_boost.train.build as build
+    from megatron_boost.config.resolved import resolve_run
     from megatron_boost.config.run import load_run_config
-    from megatron_boost.model.gpt import build_model
-    from megatron_boost.model.init import build_globally_initialised, init_global_weights
+    from megatron_boost.model.init import init_global_weights
 
-    cfg = load_run_config("configs/debug.yaml", [f"parallel.mode={mode}", "parallel.tp=2"])
+    def megatron_init_then_global_init(build_chunks, config, seed):
+        assert config.perform_initialization  # megatron draws its init first
+        chunks = build_chunks()
+        init_global_weights(chunks, seed, config)
+        return chunks
+
+    cfg = load_run_config("configs/debug.yaml", [*overrides, f"training.seed={SEED}"])
     run = resolve_run(cfg, "cpu", vocab_size=cfg.model.vocab_size)
-    vocab = run.padded_vocab_size
-    config = to_transformer_config(run)
-    assert config.perform_initialization  # the reference path draws megatron's init first
-    reference = build_model(config, vocab, cfg.model.seq_length)
-    init_global_weights(reference, SEED, config)
-    once = build_globally_initialised(
-        lambda: build_model(config, vocab, cfg.model.seq_length), config, SEED)
-    assert config.perform_initialization  # restored after the build
-    return reference, once
+    once = build.build_globally_initialised
+    if megatron_init_first:
+        build.build_globally_initialised = megatron_init_then_global_init
+    try:
+        built = build.build_run(run, training=False)
+    finally:
+        build.build_globally_initialised = once  # the rank pool's processes run on
+    assert built.config.perform_initialization  # restored after the build
+    return built.chunks
+
+
+def _models(mode):
+    overrides = [f"parallel.mode={mode}", "parallel.tp=2"]
+    return _built_chunks(overrides, megatron_init_first=True), _built_chunks(overrides)
 
 
 def _renamed_slots(chunk) -> None:
@@ -80,15 +97,8 @@ def _rename_changes_no_std(mode) -> list:
     the slot), each std is megatron's, scaled by 1/sqrt(2L) = 1/2 for the output projections
     and B factors; 1/2 against 1 stands far outside the 25 % a draw of >= 256 values can
     stray. A norm's scale starts at ones (std 0): any draw moves it."""
-    from megatron_boost.config.resolved import resolve_run, to_transformer_config
-    from megatron_boost.config.run import load_run_config
-    from megatron_boost.model.gpt import build_model
-
-    cfg = load_run_config("configs/debug.yaml", [f"parallel.mode={mode}", "parallel.tp=2",
-                                                 "model.cola_init=false"])
-    run = resolve_run(cfg, "cpu", vocab_size=cfg.model.vocab_size)
-    config = to_transformer_config(run)
-    chunks = build_model(config, run.padded_vocab_size, cfg.model.seq_length)
+    chunks = _built_chunks([f"parallel.mode={mode}", "parallel.tp=2", "model.cola_init=false"])
+    config = chunks[0].config
     before = _init_stds(chunks, config)
     _renamed_slots(chunks[0])
     after = _init_stds(chunks, config)

@@ -56,14 +56,27 @@ def _design_layer_bytes(mode: str, tp: int) -> int:
     return SEQ * MICRO_BATCH * (layer_input + sum(reductions)) * 4
 
 
+def _built(spec, **settings):
+    """The DDP-wrapped model of ``spec`` with ``settings`` ({"section.key": value}) set in its
+    run configuration, built on the CPU through the one builder (megatron's groups exist)."""
+    from megatron_boost.config.resolved import resolve_run
+    from megatron_boost.testing.verification import layout_run_config
+    from megatron_boost.train.build import build_run
+
+    cfg = layout_run_config(spec)
+    for dotted, value in settings.items():
+        section, key = dotted.split(".")
+        setattr(getattr(cfg, section), key, value)
+    return build_run(resolve_run(cfg.validate(), "cpu"))
+
+
 def _run(rank, world):
     from megatron.core import parallel_state
 
     from megatron_boost.analysis.collectives import record_collectives
-    from megatron_boost.config.resolved import padded_vocab_size
     from megatron_boost.model.init import sharded_params
-    from megatron_boost.testing.verification import LayoutSpec, layout_batches, model_config
-    from megatron_boost.train.step import build_ddp_model, initialize_parallel
+    from megatron_boost.testing.verification import LayoutSpec, layout_batches
+    from megatron_boost.train.step import initialize_parallel
 
     out = {}
     for tp in (1, 2, 4):
@@ -71,13 +84,12 @@ def _run(rank, world):
             for variant in VARIANTS:
                 spec = LayoutSpec(mode=mode, tp=tp, model=MODEL, seq_length=SEQ,
                                   micro_batch_size=MICRO_BATCH)
-                cfg, config = model_config(spec)
-                config.lowrank_recompute = variant == "lowrank"
-                config.overlap_bottleneck_grad_reduce = variant != "no_overlap"
                 initialize_parallel(tp, 1, None, spec.seed)
-                ddp = build_ddp_model(config, padded_vocab_size(100, tp), SEQ, spec.seed,
-                                      device="cpu")
-                model = ddp[0]
+                built = _built(spec, **{
+                    "training.recompute": "lowrank" if variant == "lowrank" else None,
+                    "parallel.overlap_bottleneck_grad_reduce": variant != "no_overlap"})
+                assert built.config.lowrank_recompute == (variant == "lowrank")
+                model = built.chunks[0]
                 batch = layout_batches(spec, 100, 1, 0)[0]
                 hooks, saved = _saved_bytes_hooks(list(model.parameters()),
                                                   model.module.decoder.layers)
@@ -139,23 +151,23 @@ def _dropout_grads(rank, world):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_boost.config.resolved import padded_vocab_size
     from megatron_boost.model.init import sharded_params
-    from megatron_boost.testing.verification import LayoutSpec, layout_batches, model_config
-    from megatron_boost.train.step import build_ddp_model, initialize_parallel
+    from megatron_boost.testing.verification import LayoutSpec, layout_batches
+    from megatron_boost.train.step import initialize_parallel
 
     spec = LayoutSpec(mode="boost", tp=1, model=dict(MODEL, attention_backend="local"),
                       seq_length=SEQ, micro_batch_size=MICRO_BATCH)
     out = {}
     for recompute in (False, True):
-        _, config = model_config(spec)
-        config.lowrank_recompute = recompute
+        initialize_parallel(1, 1, None, spec.seed)
         # megatron's attention draws its dropout mask from the RNG tracker's stream, the
         # hidden dropout from the default generator: both must be replayed by the recompute.
-        config.hidden_dropout = config.attention_dropout = 0.1
-        initialize_parallel(1, 1, None, spec.seed)
-        (model,) = build_ddp_model(config, padded_vocab_size(100, 1), SEQ, spec.seed,
-                                   device="cpu")
+        built = _built(spec, **{"training.recompute": "lowrank" if recompute else None,
+                                "model.hidden_dropout": 0.1, "model.attention_dropout": 0.1})
+        config = built.config
+        assert (config.lowrank_recompute, config.hidden_dropout,
+                config.attention_dropout) == (recompute, 0.1, 0.1)
+        (model,) = built.chunks
         batch = layout_batches(spec, 100, 1, 0)[0]
         torch.manual_seed(5)
         model_parallel_cuda_manual_seed(5)

@@ -140,3 +140,45 @@ def test_resolved_vocabulary_is_the_tokenizers(tmp_path):
     assert run.vocab_size == 1000 and run.padded_vocab_size == padded_vocab_size(1000, 2) == 1024
     no_tokenizer = resolve_run(load_run_config(None, ["model.vocab_size=300"]), "cpu")
     assert no_tokenizer.vocab_size == 300 and no_tokenizer.padded_vocab_size == 384
+
+
+def _embedding_outputs(rank, world) -> dict:
+    """{mode: (training-mode output, eval-mode output)} of the built model's embedding at
+    TP 1 with model.hidden_dropout=0.5, the default generator seeded alike before each."""
+    from megatron.core import parallel_state
+
+    from megatron_boost.config.resolved import resolve_run
+    from megatron_boost.config.run import load_run_config
+    from megatron_boost.train.build import build_run
+    from megatron_boost.train.step import initialize_parallel
+
+    initialize_parallel(1, 1, None, SEED)
+    tokens = torch.randint(0, MODEL["vocab_size"], (2, MODEL["seq_length"]),
+                           generator=torch.Generator().manual_seed(SEED))  # [b, s]
+    out = {}
+    try:
+        for mode in ("full", "naive", "boost"):
+            cfg = load_run_config(None, [*(f"model.{k}={v}" for k, v in MODEL.items()),
+                                         f"parallel.mode={mode}", f"training.seed={SEED}",
+                                         "model.hidden_dropout=0.5"])
+            embedding = build_run(resolve_run(cfg, "cpu"), training=False).chunks[0].embedding
+            torch.manual_seed(SEED)
+            dropped = embedding.train()(tokens, None)  # [s, b, d]
+            out[mode] = (dropped.detach(), embedding.eval()(tokens, None).detach())
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_every_mode_drops_the_same_embedding_entries_at_tp1():
+    """megatron's embedding dropout (model.hidden_dropout) in every mode: boost's own hidden-
+    sharded embedding applies it as megatron's LanguageModelEmbedding does in full and naive,
+    so the same initial table, seed and tokens give bitwise the same output."""
+    out = distributed(_embedding_outputs, 1)[0]
+    dropped, kept = out["full"]
+    zeroed = (dropped == 0) & (kept != 0)
+    assert 0.4 < zeroed.float().mean() < 0.6  # half dropped, the rest scaled by 1 / (1 - p)
+    assert torch.equal(dropped[~zeroed], 2 * kept[~zeroed])
+    for mode in ("naive", "boost"):
+        assert torch.equal(out[mode][0], dropped), mode
+        assert torch.equal(out[mode][1], kept), mode

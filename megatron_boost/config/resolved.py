@@ -219,8 +219,9 @@ def to_transformer_config(run: ResolvedRun, *,
         init_method_std=m.init_method_std, layernorm_epsilon=m.norm_epsilon,
         normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        # no biases and no dropout: nothing for the bias fusions to fuse
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
+        # no biases: nothing for the bias fusions to fuse (dropout, when on, runs unfused)
+        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+        bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,

@@ -82,6 +82,16 @@ class ModelConfig:
     """Core attention: auto (te on CUDA when transformer_engine imports, else sdpa), sdpa
     (torch scaled_dot_product_attention), local (megatron's DotProductAttention), te
     (Transformer Engine, CUDA only)."""
+    hidden_dropout: float = 0.0
+    """Dropout probability of megatron's hidden dropout (its field of that name): the
+    embedding's output and the output of every attention and MLP block before its residual
+    add; in [0, 1), 0 for none (CoLA and LLaMA pretrain without). Training mode only. boost
+    refuses it at tp > 1: its residual stream is sharded along the hidden dimension, and
+    megatron draws this mask from the generator every TP rank shares, so every shard would
+    drop the same positions."""
+    attention_dropout: float = 0.0
+    """Dropout probability on the attention probabilities (megatron's field of that name;
+    every attention backend applies it); in [0, 1), 0 for none. Training mode only."""
 
     def resolved_ranks(self) -> tuple:
         """(attn_rank, mlp_rank): the given ranks, else the default rank of rank_ratio."""

@@ -121,6 +121,7 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_layout(cfg)
     _check_modes(cfg)
     _check_bottlenecks(cfg)
+    _check_dropout(cfg)
     _check_wandb(cfg)
     _check_optimizer(cfg)
     if world_size is None:
@@ -207,6 +208,26 @@ def _check_layout(cfg) -> None:
             raise ValueError(
                 f"parallel.vpp ({par.vpp}) needs parallel.pp >= 2 and must divide "
                 f"the layers per stage ({per_stage}); set parallel.vpp to null or a divisor")
+
+
+def _check_dropout(cfg) -> None:
+    """megatron's dropout probabilities: a probability of 1 or more would zero every
+    activation, a negative one fails inside torch. boost's residual stream is sharded along
+    the hidden dimension, and megatron draws the hidden dropout mask from the generator every
+    TP rank shares (it forks a per-rank stream only under sequence parallelism): at tp > 1
+    every shard would drop the same positions, so boost refuses hidden dropout there."""
+    for name in ("hidden_dropout", "attention_dropout"):
+        p = getattr(cfg.model, name)
+        if not 0 <= p < 1:
+            raise ValueError(f"model.{name} ({p}) must be a probability in [0, 1); set it to "
+                             f"0.0 for no dropout or to the fraction of activations to drop "
+                             f"(e.g. 0.1)")
+    p, tp = cfg.model.hidden_dropout, cfg.parallel.tp
+    if p > 0 and tp > 1 and TPMode.parse(cfg.parallel.mode) is TPMode.BOOST:
+        raise ValueError(f"model.hidden_dropout ({p}) needs parallel.tp=1 in boost mode "
+                         f"(parallel.tp is {tp}): its hidden shards would all drop the same "
+                         f"positions; set model.hidden_dropout=0.0, parallel.tp=1, or "
+                         f"parallel.mode=naive or full")
 
 
 def _check_tp_split(cfg) -> None:

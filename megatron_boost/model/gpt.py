@@ -111,7 +111,9 @@ def get_block_spec(config: BoostTransformerConfig, tp_group, vp_stage=None,
 
 class HiddenShardedEmbedding(MegatronModule):
     """boost's word embedding: table [V, d/t], sharded along the hidden dimension, so the
-    lookup yields this rank's hidden shard [s, b, d/t] with no communication."""
+    lookup yields this rank's hidden shard [s, b, d/t] with no communication; megatron's
+    embedding dropout (``hidden_dropout``) follows, as in its LanguageModelEmbedding (only at
+    TP 1: config/validation.py's ``_check_dropout``)."""
 
     def __init__(self, config, vocab_size: int, tp_group):
         super().__init__(config=config)
@@ -124,10 +126,11 @@ class HiddenShardedEmbedding(MegatronModule):
         self.word_embeddings = torch.nn.Embedding(*shape, dtype=config.params_dtype,
                                                   _weight=initial)
         set_tensor_model_parallel_attributes(self.word_embeddings.weight, True, 1, 1)
+        self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)  # megatron's
 
     def forward(self, input_ids, position_ids=None, tokentype_ids=None):
         emb = self.word_embeddings(input_ids)  # [b, s, d/t]
-        return emb.transpose(0, 1).contiguous()  # [s, b, d/t]
+        return self.embedding_dropout(emb.transpose(0, 1).contiguous())  # [s, b, d/t]
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         dp_cp = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
@@ -151,6 +154,7 @@ class TiedHiddenShardedEmbedding(MegatronModule):
         self.word_embeddings = VocabParallelEmbedding(
             num_embeddings=vocab_size, embedding_dim=config.hidden_size,
             init_method=config.init_method, config=config, tp_group=tp_group)
+        self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)  # megatron's
 
     def forward(self, input_ids, position_ids=None, tokentype_ids=None):
         table = self.word_embeddings
@@ -159,7 +163,7 @@ class TiedHiddenShardedEmbedding(MegatronModule):
         rows = F.embedding(local_ids, table.weight)  # [b, s, d]: partial, this vocab slice
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         shard = reduce_scatter_to_hidden_shards(rows, self.tp_group)  # [b, s, d/t]
-        return shard.transpose(0, 1).contiguous()  # [s, b, d/t]
+        return self.embedding_dropout(shard.transpose(0, 1).contiguous())  # [s, b, d/t]
 
 
 class BottleneckGPTModel(GPTModel):

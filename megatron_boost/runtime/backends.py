@@ -118,7 +118,7 @@ def fused_kernels() -> FusedKernels:
 def resolve_fusions(device: str, attention_backend: str,
                     kernels: FusedKernels) -> Dict[str, Tuple[bool, str]]:
     """{megatron config field: (on, why)} for the fusions that depend on the device and the
-    kernels installed (the others stay off in ``config/resolved.py``: no biases, no dropout).
+    kernels installed (the bias fusions stay off in ``config/resolved.py``: no biases).
 
     * ``gradient_accumulation_fusion``: megatron's column/row-parallel linears (the output
       layer in every mode, TE's linears in its layer spec) need apex's wgrad kernel on CUDA.
