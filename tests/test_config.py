@@ -86,6 +86,26 @@ def test_typo_gets_a_did_you_mean(tmp_path):
     assert f"{p}:4" in str(err.value) and "did you mean 'global_batch_size'?" in str(err.value)
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["training.precision=bf61"],
+     "training.precision ('bf61') must be one of auto, fp32, bf16; did you mean 'bf16'?"),
+    (["training.recompute=everything"], "training.recompute ('everything') must be one of "
+     "null, selective, full, lowrank; null recomputes nothing"),
+    (["optimizer.name=adam"], "optimizer.name ('adam') must be one of adamw, muon; "
+     "did you mean 'adamw'?"),
+    (["optimizer.name=muon", "optimizer.muon_scale=spectal"], "optimizer.muon_scale "
+     "('spectal') must be one of spectral, shape, unit_rms; did you mean 'spectral'?"),
+    (["logging.wandb.mode=disabled"], "logging.wandb.mode ('disabled') must be one of "
+     "offline, online; to log nothing to W&B, leave logging.wandb.project null"),
+])
+def test_a_value_outside_a_keys_set_names_the_set_and_the_fix(overrides, message):
+    """Every key with a fixed set of values says it in one form: the key, the value, the
+    allowed values, and the one a typo is closest to (else the key's own fix)."""
+    with pytest.raises(ValueError) as err:
+        load_run_config(None, overrides)
+    assert str(err.value) == message
+
+
 @pytest.mark.parametrize("override,needle", [
     ("training.train_iter=10", "unknown key 'train_iter'"),
     ("trainig.train_iters=10", "unknown section 'trainig'"),

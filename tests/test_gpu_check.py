@@ -145,6 +145,35 @@ def test_out_of_memory_is_a_row_and_other_errors_fail(monkeypatch, capsys):
     assert re.search(r"\bFAIL\s+RuntimeError: broken kernel", rows["local"])
 
 
+@pytest.mark.fast
+def test_a_stages_cases_run_one_after_the_other_whatever_each_does(capsys):
+    """run_cases, every stage's loop: a case that cannot run is an n/a row and is not run, one
+    that raises is a FAIL row and the next still runs, and each case is set up only when the
+    one before it has finished (the cases are read lazily)."""
+    from megatron_boost.testing.gpu_stages import Case, run_cases
+
+    ran = []
+
+    def broken():
+        ran.append("broken")
+        raise RuntimeError("broken kernel")
+
+    def cases():
+        yield Case("unavailable", lambda: ran.append("unavailable"), "unavailable: no TE")
+        yield Case("broken", broken)
+        ran.append("set up last")  # only after "broken" has run and failed
+        yield Case("last", lambda: ran.append("last"))
+
+    run_cases(1, cases(), "cpu")
+    rows = capsys.readouterr().out.splitlines()
+    assert ran == ["broken", "set up last", "last"]
+    case = slice(len("[0] ") + 13, len("[0] ") + 13 + 40)  # the case column (see _status)
+    assert [(r[case].strip(), _status(r)) for r in rows] == [("unavailable", "n/a"),
+                                                              ("broken", "FAIL")]
+    assert rows[0].endswith("unavailable: no TE") and rows[1].endswith("RuntimeError: broken "
+                                                                       "kernel")
+
+
 def test_bad_stage_selection_is_one_error_line(capsys):
     assert gpu_check.main(["--cpu", "--stages", "0,9"]) == 2
     err = capsys.readouterr().err

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from megatron_boost.analysis.comm import tp_comm_widths
+from megatron_boost.analysis.comm import layer_comm_bytes_per_token, tp_comm_widths
 from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.config.modes import TPMode
 from megatron_boost.parallel import placement as P
@@ -47,23 +47,45 @@ def _consumers():
     return {"comm": (fwd[-1], bwd[-1]), "perf_coll": (work.coll_fwd[-1], work.coll_bwd[-1]),
             "perf_gemm": (gemm.N, gemm.K), "local_A": shapes["A_fc2"],
             "layer_axes": (layer.axis_of("A_down"), layer.axis_of("B_down")),
-            "layer_norm": hasattr(layer, "layer_norm_weight")}
+            "layer_norm": hasattr(layer, "layer_norm_weight"), **_sp_consumers()}
+
+
+def _sp_consumers():
+    """What each consumer makes of full rank's fc2 (the last group) with sequence
+    parallelism: the formula's widths and forward bytes, and the perf model's last forward
+    and backward collectives (kind and width: it prices each by its kind)."""
+    fwd, bwd = tp_comm_widths(SHAPE, TPMode.FULL, sequence_parallel=True)
+    fwd_bytes, _ = layer_comm_bytes_per_token(SHAPE, TPMode.FULL, sequence_parallel=True)
+    work = layer_work(SHAPE, TPMode.FULL, TP, sequence_parallel=True)
+    perf = [next(c for c in reversed(work.collectives) if c[0] == way) for way in ("fwd", "bwd")]
+    return {"sp_comm": (fwd[-1], bwd[-1], fwd_bytes), "sp_perf_coll": perf}
 
 
 def test_every_consumer_follows_one_entry(monkeypatch):
     """boost's fc2 as the table states it, then with naive's placement for that one entry
     (A split along the rank, B along it too, the output all-reduced forward and the input
-    gradient backward) and a fused norm: each consumer changes with the entry."""
+    gradient backward) and a fused norm: each consumer changes with the entry. Likewise full
+    rank's fc2 under sequence parallelism (a d-wide reduce-scatter forward, an all-gather
+    backward), then with an f-wide all-reduce forward in their place."""
     r, f, d = SHAPE.mlp_rank, SHAPE.ffn, SHAPE.hidden
     assert _consumers() == {"comm": (r, r), "perf_coll": (r, r), "perf_gemm": (r, f / TP),
                             "local_A": (r, f // TP), "layer_axes": (1, 0),
-                            "layer_norm": False}
+                            "layer_norm": False, "sp_comm": (d, d, 4 * 4 * d),
+                            "sp_perf_coll": [("fwd", "reduce_scatter", d),
+                                             ("bwd", "all_gather", d)]}
     changed = dataclasses.replace(P.PLACEMENT[(TPMode.NAIVE, P.Group.FC2)], norm=P.Norm.FUSED)
     monkeypatch.setitem(P.PLACEMENT, (TPMode.BOOST, P.Group.FC2), changed)
-    # fwd: output all-reduce d plus the fused statistic's column; bwd: input gradient f
+    full_fc2 = P.PLACEMENT[(TPMode.FULL, P.Group.FC2)]
+    monkeypatch.setitem(P.PLACEMENT, (TPMode.FULL, P.Group.FC2), dataclasses.replace(
+        full_fc2, sp_fwd=(P.Collective(P.Dim.D_IN, "all_reduce"),)))
+    # fwd: output all-reduce d plus the fused statistic's column; bwd: input gradient f.
+    # full + SP: fc2's forward is an f-wide all-reduce (fp32 bytes: 3 d-wide ones and it)
     assert _consumers() == {"comm": (d + 1, f), "perf_coll": (d, f),
                             "perf_gemm": (r / TP, f), "local_A": (r // TP, f),
-                            "layer_axes": (0, 1), "layer_norm": True}
+                            "layer_axes": (0, 1), "layer_norm": True,
+                            "sp_comm": (f, d, 4 * (3 * d + f)),
+                            "sp_perf_coll": [("fwd", "all_reduce", f),
+                                             ("bwd", "all_gather", d)]}
 
 
 def test_table_covers_every_mode_and_group():
@@ -71,6 +93,8 @@ def test_table_covers_every_mode_and_group():
     for (mode, group), entry in P.PLACEMENT.items():
         assert (entry.b is None) == (mode is TPMode.FULL), (mode, group)
         assert (entry.norm is P.Norm.FUSED) == (mode is TPMode.BOOST and group.is_column)
+        # megatron's sequence parallelism is full rank's (config/modes.py refuses it elsewhere)
+        assert (entry.sp_fwd is not None) == (entry.sp_bwd is not None) == (mode is TPMode.FULL)
 
 
 @pytest.mark.parametrize("mode", list(TPMode))

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
-from megatron_boost.parallel.placement import GROUPS, Norm, collective_widths, placement
+from megatron_boost.parallel.placement import (GROUPS, Norm, collective_widths,
+                                               layer_collectives, placement)
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 # The formulas are plain Python (the perf model and its CLI import them); torch, megatron-core
 # and the collective recorder are imported by the measuring functions that use them.
 
-__all__ = ["MODES", "CROSS_ENTROPY_FP32_VALUES", "tp_comm_widths", "fp32_statistic_columns",
+__all__ = ["MODES", "CROSS_ENTROPY_FP32_VALUES", "tp_collectives", "tp_comm_widths",
+           "fp32_statistic_columns",
            "layer_comm_formula", "layer_comm_bytes_per_token", "embedding_collectives",
            "head_collectives", "StepCommShape",
            "step_comm_bytes", "LayerCommSpec",
@@ -40,19 +42,31 @@ _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 CROSS_ENTROPY_FP32_VALUES = 3
 
 
+def tp_collectives(shape: ModelShape, mode: str, dtype: str = "fp32",
+                   sequence_parallel: bool = False) -> List[Tuple[str, str, int]]:
+    """(direction, kind, elements per token) of one layer's TP collectives, forward then
+    backward, as the placement table states them
+    (:func:`megatron_boost.parallel.placement.layer_collectives`; widths:
+    :func:`tp_comm_widths`)."""
+    mode = check_mode(mode)
+    return layer_collectives(mode, shape.projections(mode), products_fp32=dtype == "fp32",
+                             sequence_parallel=sequence_parallel)
+
+
 def tp_comm_widths(shape: ModelShape, mode: str, dtype: str = "fp32",
                    sequence_parallel: bool = False) -> Tuple[List[int], List[int]]:
-    """(forward, backward) widths, elements per token, of one layer's TP all-reduces, in issue
+    """(forward, backward) widths, elements per token, of one layer's TP collectives, in issue
     order (docs/design.md §5), read from the placement table
     (:func:`megatron_boost.parallel.placement.collective_widths`):
 
     * full: row-parallel proj and fc2 all-reduce their d-wide outputs forward; column-parallel
       qkv and fc1 all-reduce their d-wide input gradients backward. With megatron's sequence
-      parallelism each all-reduce becomes a reduce-scatter plus an all-gather, each handed the
-      whole d-wide activation (the same bytes on the wire: a ring all-reduce is the two):
-      forward, the all-gather of the sequence shards before qkv and fc1 and the reduce-scatter
-      of proj's and fc2's outputs; backward, their conjugates and qkv's and fc1's re-gather of
-      their input for the weight gradient.
+      parallelism (the table's sequence-parallel variant of full mode) each all-reduce becomes
+      a reduce-scatter plus an all-gather, each handed the whole d-wide activation (the same
+      bytes on the wire: a ring all-reduce is the two): forward, the all-gather of the
+      sequence shards before qkv and fc1 and the reduce-scatter of proj's and fc2's outputs;
+      backward, their conjugates and qkv's and fc1's re-gather of their input for the weight
+      gradient.
     * naive: each chunk all-reduces its output forward (qkv: h·e + 2·g·e, o: d, gate+up: 2f,
       down: d) and its input gradient backward (qkv: d, o: h·e, fc1: d, fc2: f).
     * boost: one all-reduce of the group's bottleneck forward (qkv: 3r_a + 1 with the fused
@@ -63,11 +77,8 @@ def tp_comm_widths(shape: ModelShape, mode: str, dtype: str = "fp32",
       1 then 2r_m.
     """
     mode = check_mode(mode)
-    if mode == "full" and sequence_parallel:
-        # each of the table's d-wide all-reduces as megatron's SP pair (see above)
-        d = shape.hidden
-        return [d] * 4, [d] * 6
-    return collective_widths(mode, shape.projections(mode), products_fp32=dtype == "fp32")
+    return collective_widths(mode, shape.projections(mode), products_fp32=dtype == "fp32",
+                             sequence_parallel=sequence_parallel)
 
 
 def fp32_statistic_columns(mode: str, dtype: str) -> int:

@@ -12,11 +12,12 @@ well, so that a layout it refuses stops before any rank starts.
 
 from __future__ import annotations
 
+import difflib
 import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_lowrank_recompute,
                                           check_tp_split, resolve_sequence_parallel)
@@ -158,9 +159,8 @@ def _check_positive(cfg) -> None:
 
 def _check_wandb(cfg) -> None:
     w = cfg.logging.wandb
-    if w.mode not in WANDB_MODES:
-        raise ValueError(f"logging.wandb.mode '{w.mode}' must be one of {list(WANDB_MODES)}; "
-                         f"to log nothing to W&B, leave logging.wandb.project null")
+    _check_one_of("logging.wandb.mode", w.mode, WANDB_MODES,
+                  "to log nothing to W&B, leave logging.wandb.project null")
     if w.project is not None and not str(w.project).strip():
         raise ValueError("logging.wandb.project is empty; name a W&B project, or null to log "
                          "nothing to W&B")
@@ -259,15 +259,26 @@ def _check_bottlenecks(cfg) -> None:
                                mlp_rank=mlp_rank)
 
 
+def _check_one_of(field: str, value, allowed: Sequence, fix: Optional[str] = None) -> None:
+    """The one rule of a key with a fixed set of values: unless ``value`` is one of
+    ``allowed``, a ValueError naming the key, the value, the allowed values (None written as
+    the YAML's null) and the fix: the allowed value a typo is closest to, else ``fix``."""
+    if value in allowed:
+        return
+    names = ["null" if a is None else str(a) for a in allowed]
+    close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.6)
+    hint = f"did you mean '{close[0]}'?" if close else fix
+    raise ValueError(f"{field} ({value!r}) must be one of {', '.join(names)}"
+                     + (f"; {hint}" if hint else ""))
+
+
 def _check_modes(cfg) -> None:
     t = cfg.training
     check_attention_backend(cfg.model.attention_backend)
-    if t.precision not in _PRECISIONS:
-        raise ValueError(f"training.precision ({t.precision!r}) must be one of "
-                         f"auto, fp32, bf16")
-    if t.recompute not in _RECOMPUTE:
-        raise ValueError(f"training.recompute ({t.recompute!r}) must be null, "
-                         f"selective, full or lowrank")
+    _check_one_of("training.precision", t.precision, _PRECISIONS,
+                  "auto: bf16 on CUDA, fp32 on the CPU")
+    _check_one_of("training.recompute", t.recompute, _RECOMPUTE,
+                  "null recomputes nothing")
 
 
 _OPTIMIZERS = ("adamw", "muon")
@@ -278,8 +289,8 @@ _MUON_SCALES = ("spectral", "shape", "unit_rms")
 
 def _check_optimizer(cfg) -> None:
     o = cfg.optimizer
-    if o.name not in _OPTIMIZERS:
-        raise ValueError(f"optimizer.name ({o.name!r}) must be adamw or muon")
+    _check_one_of("optimizer.name", o.name, _OPTIMIZERS,
+                  "adamw: AdamW for every parameter; muon: Muon for the projection matrices")
     if o.name != "muon":
         return
     if not 0 <= o.muon_momentum < 1:
@@ -288,12 +299,8 @@ def _check_optimizer(cfg) -> None:
     if o.muon_ns_steps < 1:
         raise ValueError(f"optimizer.muon_ns_steps ({o.muon_ns_steps}) must be >= 1 "
                          f"(typical: 5)")
-    if o.muon_ns_coefficients not in _NS_COEFFICIENTS:
-        raise ValueError(f"optimizer.muon_ns_coefficients ({o.muon_ns_coefficients!r}) must "
-                         f"be one of {', '.join(_NS_COEFFICIENTS)}")
-    if o.muon_scale not in _MUON_SCALES:
-        raise ValueError(f"optimizer.muon_scale ({o.muon_scale!r}) must be one of "
-                         f"{', '.join(_MUON_SCALES)}")
+    _check_one_of("optimizer.muon_ns_coefficients", o.muon_ns_coefficients, _NS_COEFFICIENTS)
+    _check_one_of("optimizer.muon_scale", o.muon_scale, _MUON_SCALES)
     if not o.muon_extra_scale > 0:
         raise ValueError(f"optimizer.muon_extra_scale ({o.muon_extra_scale}) must be > 0")
     if cfg.parallel.use_distributed_optimizer:
@@ -325,18 +332,14 @@ def _check_budget(cfg) -> None:
 def _check_decay_style(o, decay: int) -> None:
     """The decay style, and the WSD settings exactly when it is wsd (set otherwise, they
     would be ignored without a word)."""
-    if o.lr_decay_style not in LR_DECAY_STYLES:
-        raise ValueError(f"optimizer.lr_decay_style ({o.lr_decay_style!r}) must be one of "
-                         f"{', '.join(LR_DECAY_STYLES)}")
+    _check_one_of("optimizer.lr_decay_style", o.lr_decay_style, tuple(LR_DECAY_STYLES))
     if o.lr_decay_style != "wsd":
         if o.lr_wsd_decay_iters is not None:
             raise ValueError(f"optimizer.lr_wsd_decay_iters ({o.lr_wsd_decay_iters}) is only "
                              f"used with optimizer.lr_decay_style: wsd (it is "
                              f"{o.lr_decay_style!r}); remove it or set the style to wsd")
         return
-    if o.lr_wsd_decay_style not in _WSD_DECAY_STYLES:
-        raise ValueError(f"optimizer.lr_wsd_decay_style ({o.lr_wsd_decay_style!r}) must be one "
-                         f"of {', '.join(_WSD_DECAY_STYLES)}")
+    _check_one_of("optimizer.lr_wsd_decay_style", o.lr_wsd_decay_style, _WSD_DECAY_STYLES)
     stable = decay - o.warmup_iters
     if o.lr_wsd_decay_iters is None or not 1 <= o.lr_wsd_decay_iters <= stable:
         raise ValueError(f"optimizer.lr_wsd_decay_iters ({o.lr_wsd_decay_iters}) must be set "

@@ -7,6 +7,7 @@ table :data:`PLACEMENT` states
   W: [d_out, d_in] in the place of A, and no B),
 * the axis of each factor split over the TP ranks (None: replicated),
 * the forward and backward collectives of the group with their widths (elements per token),
+  and, for full rank, those megatron's sequence parallelism issues in their place,
 * where the input norm and its statistic live (:class:`Norm`).
 
 Everything else reads it: the layers (``model/layers.py``) take their split axes from it, the
@@ -28,7 +29,8 @@ from megatron_boost.config.modes import TPMode
 
 __all__ = ["Group", "Dim", "Norm", "Factor", "Collective", "GroupPlacement", "PLACEMENT",
            "GROUPS", "GROUP_PROJECTIONS", "placement", "group_of_projection", "widths",
-           "collective_widths", "local_factor_shapes", "placement_markdown"]
+           "layer_collectives", "collective_widths", "local_factor_shapes",
+           "placement_markdown"]
 
 
 class Group(str, enum.Enum):
@@ -97,10 +99,13 @@ class Factor:
 
 @dataclass(frozen=True)
 class Collective:
-    """One all-reduce of the group, ``width`` elements per token."""
+    """One collective of the group, ``width`` elements per token handed to it (an all-gather
+    and a reduce-scatter are recorded at their full width, as ``analysis/collectives.py``
+    records them)."""
 
     width: Dim
     kind: str = "all_reduce"
+    """"all_reduce", "all_gather" or "reduce_scatter"."""
 
 
 @dataclass(frozen=True)
@@ -114,17 +119,36 @@ class GroupPlacement:
     fwd: Tuple[Collective, ...]
     bwd: Tuple[Collective, ...]
     norm: Norm
+    sp_fwd: Optional[Tuple[Collective, ...]] = None
+    """With megatron's sequence parallelism: the forward collectives in place of ``fwd``;
+    None: the mode has no sequence-parallel variant (config/modes.py refuses it there)."""
+    sp_bwd: Optional[Tuple[Collective, ...]] = None
+    """With sequence parallelism: the backward collectives in place of ``bwd``."""
 
 
 _A, _B, _W = (Dim.RANK, Dim.D_IN), (Dim.D_OUT, Dim.RANK), (Dim.D_OUT, Dim.D_IN)
 
 
-def _column_full() -> GroupPlacement:  # megatron's ColumnParallelLinear
-    return GroupPlacement(Factor(*_W, 0), None, (), (Collective(Dim.D_IN),), Norm.REPLICATED)
+_AG, _RS = "all_gather", "reduce_scatter"
 
 
-def _row_full() -> GroupPlacement:  # megatron's RowParallelLinear
-    return GroupPlacement(Factor(*_W, 1), None, (Collective(Dim.D_OUT),), (), Norm.NONE)
+def _column_full() -> GroupPlacement:
+    """megatron's ColumnParallelLinear: its input gradient all-reduced backward. With sequence
+    parallelism it all-gathers the [s/t, b, d] input forward; backward it re-gathers the input
+    for the weight gradient, then reduce-scatters the input gradient (megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication``, in that order)."""
+    return GroupPlacement(Factor(*_W, 0), None, (), (Collective(Dim.D_IN),), Norm.REPLICATED,
+                          sp_fwd=(Collective(Dim.D_IN, _AG),),
+                          sp_bwd=(Collective(Dim.D_IN, _AG), Collective(Dim.D_IN, _RS)))
+
+
+def _row_full() -> GroupPlacement:
+    """megatron's RowParallelLinear: its output all-reduced forward. With sequence parallelism
+    it reduce-scatters the output to the sequence shards forward and all-gathers the gradient
+    backward (the same bytes on the wire: a ring all-reduce is the two)."""
+    return GroupPlacement(Factor(*_W, 1), None, (Collective(Dim.D_OUT),), (), Norm.NONE,
+                          sp_fwd=(Collective(Dim.D_OUT, _RS),),
+                          sp_bwd=(Collective(Dim.D_OUT, _AG),))
 
 
 def _naive(norm: Norm) -> GroupPlacement:  # one megatron "MLP" per group
@@ -182,25 +206,44 @@ def widths(projections: Sequence, group: Group) -> Dict[Dim, int]:
             Dim.RANK: sum(p.rank or 0 for p in members)}
 
 
-def collective_widths(mode, projections: Sequence, products_fp32: bool = True
-                      ) -> Tuple[List[int], List[int]]:
-    """(forward, backward) widths of one layer's TP all-reduces, elements per token, in
-    layer order (docs/design.md §5), from the table. A fused norm's statistic adds one column
-    to its group's first forward all-reduce when ``products_fp32``, else is an all-reduce of
-    width 1 of its own issued before it."""
-    fwd: List[int] = []
-    bwd: List[int] = []
+def _entry_collectives(entry: GroupPlacement, sequence_parallel: bool
+                       ) -> Tuple[Tuple[Collective, ...], Tuple[Collective, ...]]:
+    """The entry's (forward, backward) collectives; its sequence-parallel variant where asked
+    and declared (a mode without one ignores the flag, as megatron's SP is full rank's)."""
+    if sequence_parallel and entry.sp_fwd is not None:
+        return entry.sp_fwd, entry.sp_bwd
+    return entry.fwd, entry.bwd
+
+
+def layer_collectives(mode, projections: Sequence, products_fp32: bool = True,
+                      sequence_parallel: bool = False) -> List[Tuple[str, str, int]]:
+    """(direction, kind, elements per token) of one layer's TP collectives, the forward ones
+    then the backward ones, each in layer order (docs/design.md §5), from the table. A fused
+    norm's statistic adds one column to its group's first forward all-reduce when
+    ``products_fp32``, else is an all-reduce of width 1 of its own issued before it.
+    ``sequence_parallel``: the table's sequence-parallel variant of the mode's collectives."""
+    fwd: List[Tuple[str, str, int]] = []
+    bwd: List[Tuple[str, str, int]] = []
     for group in GROUPS:
         entry, sizes = placement(mode, group), widths(projections, group)
-        group_fwd = [sizes[c.width] for c in entry.fwd]
+        group_fwd, group_bwd = _entry_collectives(entry, sequence_parallel)
+        forward = [("fwd", c.kind, sizes[c.width]) for c in group_fwd]
         if entry.norm is Norm.FUSED:
             if products_fp32:
-                group_fwd[0] += 1
+                forward[0] = ("fwd", forward[0][1], forward[0][2] + 1)
             else:
-                group_fwd.insert(0, 1)
-        fwd += group_fwd
-        bwd += [sizes[c.width] for c in entry.bwd]
-    return fwd, bwd
+                forward.insert(0, ("fwd", "all_reduce", 1))
+        fwd += forward
+        bwd += [("bwd", c.kind, sizes[c.width]) for c in group_bwd]
+    return fwd + bwd
+
+
+def collective_widths(mode, projections: Sequence, products_fp32: bool = True,
+                      sequence_parallel: bool = False) -> Tuple[List[int], List[int]]:
+    """(forward, backward) widths of :func:`layer_collectives`, elements per token."""
+    collectives = layer_collectives(mode, projections, products_fp32, sequence_parallel)
+    return ([w for direction, _, w in collectives if direction == "fwd"],
+            [w for direction, _, w in collectives if direction == "bwd"])
 
 
 def _local(factor: Factor, sizes: Dict[Dim, int], tp: int, divide: Callable) -> tuple:

@@ -75,7 +75,7 @@ core (half the s×s square), backward = 2 × forward; naive's duplicated work is
 
 The widths (d, f, heads, ranks, parameters per projection) all come from the one
 :class:`~megatron_boost.analysis.shape.ModelShape`, the TP collective widths from
-:func:`~megatron_boost.analysis.comm.tp_comm_widths` (the embedding's, tied or not, from
+:func:`~megatron_boost.analysis.comm.tp_collectives` (the embedding's, tied or not, from
 :func:`~megatron_boost.analysis.comm.embedding_collectives`), the per-GPU GEMM shapes and
 parameters from the placement table
 (:func:`~megatron_boost.parallel.placement.local_factor_shapes`). Every hardware number and
@@ -90,7 +90,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from megatron_boost.analysis.comm import (CROSS_ENTROPY_FP32_VALUES, embedding_collectives,
-                                          head_collectives, tp_comm_widths)
+                                          head_collectives, tp_collectives)
 from megatron_boost.analysis.flops import step_flops
 from megatron_boost.analysis.shape import MODES, ModelShape
 from megatron_boost.config.modes import TPMode, check_tp_split, resolve_sequence_parallel
@@ -175,14 +175,22 @@ class LayerWork:
     gemms: List[Gemm]
     attn_heads: float           # local heads the attention core runs on
     elems: List[Elem]
-    coll_fwd: List[float]       # collective widths, elements per token
-    coll_bwd: List[float]
-    coll_halves: bool           # the collectives are all-gathers / reduce-scatters (SP)
+    collectives: List[Tuple[str, str, int]]  # (direction, kind, elements per token), TP
     saved: float                # activation elements per token kept for backward (no recompute)
     saved_attn_out: float       # the part dropped by selective recompute
     saved_input: float          # what full recompute keeps (the layer input)
     saved_lowrank: Optional[float]  # what lowrank recompute keeps (None: not applicable)
     params: float               # parameters per GPU
+
+    @property
+    def coll_fwd(self) -> List[int]:
+        """Forward collective widths, elements per token."""
+        return [width for direction, _, width in self.collectives if direction == "fwd"]
+
+    @property
+    def coll_bwd(self) -> List[int]:
+        """Backward collective widths, elements per token."""
+        return [width for direction, _, width in self.collectives if direction == "bwd"]
 
 
 def _rmsnorm(name: str, w: float) -> Elem:
@@ -228,9 +236,9 @@ def _full_work(shape: ModelShape, t: int, sequence_parallel: bool = False) -> La
     # attention), fc1 output (2f/t), SwiGLU output (f/t)
     attn_out = qw / t
     saved = 4 * stream + (qw + 2 * kvw) / t + attn_out + 3 * f / t
-    fwd, bwd = tp_comm_widths(shape, "full", sequence_parallel=sequence_parallel)
-    return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems, coll_fwd=fwd,
-                     coll_bwd=bwd, coll_halves=sequence_parallel, saved=saved,
+    collectives = tp_collectives(shape, "full", sequence_parallel=sequence_parallel)
+    return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems,
+                     collectives=collectives, saved=saved,
                      saved_attn_out=attn_out, saved_input=stream, saved_lowrank=None,
                      params=_local_params(gemms) + 2 * d)
 
@@ -255,9 +263,9 @@ def _naive_work(shape: ModelShape, t: int) -> LayerWork:
     # collective) keep x, the pre-σ slices, the all-reduced q,k,v, the mid residual and
     # the all-reduced gate/up; recompute σ, norms, RoPE, attention core, SwiGLU.
     saved_lowrank = d + sig + (qw + 2 * kvw) + d + 2 * f
-    fwd, bwd = tp_comm_widths(shape, "naive")
-    return LayerWork(gemms=gemms, attn_heads=shape.heads, elems=elems, coll_fwd=fwd,
-                     coll_bwd=bwd, coll_halves=False, saved=saved, saved_attn_out=attn_out, saved_input=d,
+    collectives = tp_collectives(shape, "naive")
+    return LayerWork(gemms=gemms, attn_heads=shape.heads, elems=elems,
+                     collectives=collectives, saved=saved, saved_attn_out=attn_out, saved_input=d,
                      saved_lowrank=saved_lowrank,
                      params=_local_params(gemms) + 2 * d)
 
@@ -280,9 +288,9 @@ def _boost_work(shape: ModelShape, t: int) -> LayerWork:
     # bottleneck activations (7r) + the two rms scalars
     saved_lowrank = d / t + sig + 2
     # bf16 training: the fp32 norm statistic travels in its own all-reduce (§3)
-    fwd, bwd = tp_comm_widths(shape, "boost", dtype="bf16")
-    return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems, coll_fwd=fwd,
-                     coll_bwd=bwd, coll_halves=False, saved=saved, saved_attn_out=attn_out,
+    collectives = tp_collectives(shape, "boost", dtype="bf16")
+    return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems,
+                     collectives=collectives, saved=saved, saved_attn_out=attn_out,
                      saved_input=d / t,
                      saved_lowrank=saved_lowrank,
                      params=_local_params(gemms) + 2 * d / t)
@@ -434,9 +442,8 @@ def _layer_times(st: _Setting) -> Tuple[Dict[str, float], Dict[str, float]]:
     a_fwd, a_bwd = attention_time(b, st.shape.seq_length, int(w.attn_heads), st.shape.e, hw)
     el_fwd = sum(elementwise_time(n * x.fwd_bytes, hw) for x in w.elems)
     el_bwd = sum(elementwise_time(n * x.bwd_bytes, hw) for x in w.elems)
-    coll = st.tp_allgather if w.coll_halves else st.tp_allreduce
-    c_fwd = sum(coll(n * wd * BYTES_ACT) for wd in w.coll_fwd)
-    c_bwd = sum(coll(n * wd * BYTES_ACT) for wd in w.coll_bwd)
+    c_fwd = _collectives_seconds(st, [c for c in w.collectives if c[0] == "fwd"])
+    c_bwd = _collectives_seconds(st, [c for c in w.collectives if c[0] == "bwd"])
     rec, rec_comm = _recompute_cost(st, g_fwd, gB_fwd, a_fwd, el_fwd, c_fwd)
     layer_f = {"gemm": g_fwd, "attention": a_fwd, "elementwise": el_fwd, "tp_comm": c_fwd}
     layer_b = {"gemm": g_bwd, "attention": a_bwd, "elementwise": el_bwd,

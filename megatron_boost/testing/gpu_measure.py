@@ -11,18 +11,20 @@ function ``stage(plan, work)`` run in a process of its own:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from megatron_boost.analysis.rank_shape import (projection_gemms, projection_training_flops,
                                                rank_layout_problem, rank_local_shape,
                                                shape_overrides)
 from megatron_boost.perf.timing import DeviceTimer, projection_gemm_ms
 from megatron_boost.runtime.stages import Row, check, emit, one_line
-from megatron_boost.testing.gpu_stages import (BACKENDS, MODES, Plan, build_trainable,
-                                               free_memory, load_config, setup_stage,
+from megatron_boost.testing.gpu_stages import (BACKENDS, MODES, Case, Plan,
+                                               backend_unavailable, build_trainable,
+                                               fail_row, load_config, run_cases, setup_stage,
                                                synchronize, te_unavailable_reason, train_once)
 
 __all__ = ["stage_throughput", "stage_attention", "stage_layers"]
@@ -35,12 +37,8 @@ __all__ = ["stage_throughput", "stage_attention", "stage_layers"]
 
 def stage_throughput(plan: Plan, work: Path) -> None:
     setup_stage(plan)
-    for mode in ("boost", "full"):
-        try:
-            _throughput_case(plan, mode)
-        except Exception as err:
-            check(5, f"cola-350m {mode}", False, one_line(err))
-        free_memory(plan.device)
+    run_cases(5, (Case(f"cola-350m {mode}", functools.partial(_throughput_case, plan, mode))
+                  for mode in ("boost", "full")), plan.device)
 
 
 def _throughput_case(plan: Plan, mode: str) -> None:
@@ -104,20 +102,23 @@ def _layer_config(config_file: str, overrides: Sequence[str], mode: str, backend
 
 def stage_attention(plan: Plan, work: Path) -> None:
     setup_stage(plan)
-    te_why = te_unavailable_reason(plan.device)
+    run_cases(6, _attention_cases(plan, te_unavailable_reason(plan.device)), plan.device,
+              error_row=_oom_or_fail_row)
+
+
+def _attention_cases(plan: Plan, te_why: Optional[str]) -> Iterable[Case]:
     for backend in BACKENDS:
         case = f"{plan.attention_model} boost layer s={plan.attention_seq} {backend}"
-        if backend == "te" and te_why is not None:
-            emit(Row(6, case, "n/a", f"unavailable: {te_why}"))
-            continue
-        try:
-            _attention_case(plan, case, backend)
-        except Exception as err:
-            if _is_oom(err):
-                emit(Row(6, case, "info", f"out of memory: {one_line(err)[:160]}"))
-            else:
-                check(6, case, False, one_line(err))
-        free_memory(plan.device)
+        yield Case(case, functools.partial(_attention_case, plan, case, backend),
+                   backend_unavailable(backend, te_why))
+
+
+def _oom_or_fail_row(stage: int, case: str, err: BaseException) -> None:
+    """Out of memory at a long sequence is a measurement (an info row), not a failure."""
+    if _is_oom(err):
+        emit(Row(stage, case, "info", f"out of memory: {one_line(err)[:160]}"))
+    else:
+        fail_row(stage, case, err)
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -169,27 +170,28 @@ def stage_layers(plan: Plan, work: Path) -> None:
     setup_stage(plan)
     peak = peak_tflops(None, plan.device)
     for name in plan.layer_models:
-        cfg = load_config(f"configs/{name}.yaml", [], plan.device)
-        shape = ModelShape.from_config(cfg, name)
-        for tp in plan.layer_tps:
-            for mode in MODES:
-                case = f"{name} tp={tp} {mode} (one rank)"
-                refused = rank_layout_problem(shape, mode, tp)
-                if refused is not None:  # the trainer's own rule: no floor-divided shape
-                    emit(Row(7, case, "n/a", f"layout refused: {refused}"))
-                    continue
-                try:
-                    _layer_case(plan, case, rank_local_shape(shape, mode, tp), mode, peak)
-                except Exception as err:
-                    check(7, case, False, one_line(err))
-                free_memory(plan.device)
+        shape = ModelShape.from_config(load_config(f"configs/{name}.yaml", [], plan.device), name)
+        run_cases(7, _layer_cases(plan, shape, peak), plan.device)
 
 
-def _layer_case(plan: Plan, case: str, local, mode: str, peak: Optional[float]) -> None:
+def _layer_cases(plan: Plan, shape, peak: Optional[float]) -> Iterable[Case]:
+    for tp in plan.layer_tps:
+        for mode in MODES:
+            case = f"{shape.name} tp={tp} {mode} (one rank)"
+            refused = rank_layout_problem(shape, mode, tp)
+            if refused is not None:  # the trainer's own rule: no floor-divided shape
+                yield Case(case, None, f"layout refused: {refused}")
+                continue
+            yield Case(case, functools.partial(_layer_case, plan, case, shape, tp, mode, peak))
+
+
+def _layer_case(plan: Plan, case: str, shape, tp: int, mode: str,
+                peak: Optional[float]) -> None:
     import torch
 
     from megatron_boost.analysis.comm import build_decoder_layer
 
+    local = rank_local_shape(shape, mode, tp)
     seq, mbs = plan.layer_tokens
     tokens = seq * mbs
     overrides = [*shape_overrides(local), f"model.seq_length={seq}"]

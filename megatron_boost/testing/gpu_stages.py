@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 from megatron_boost.runtime.stages import Row, check, emit, info, one_line
 
@@ -187,6 +188,44 @@ def te_unavailable_reason(device: str) -> Optional[str]:
     return None
 
 
+def backend_unavailable(backend: str, te_why: Optional[str]) -> Optional[str]:
+    """The n/a text of a case on attention ``backend`` (:class:`Case`): ``te_why``
+    (:func:`te_unavailable_reason`) for Transformer Engine's, None for one that runs here."""
+    return f"unavailable: {te_why}" if backend == "te" and te_why is not None else None
+
+
+class Case(NamedTuple):
+    """One case of a stage: the name its row carries, its measurement (which prints the row;
+    None for a case that cannot run), and why it cannot run here (None: it can; else the
+    text of its n/a row)."""
+
+    name: str
+    run: Optional[Callable[[], None]]
+    unavailable: Optional[str] = None
+
+
+def fail_row(stage: int, case: str, err: BaseException) -> None:
+    """A case that raised: a FAIL row with the error on one line."""
+    check(stage, case, False, one_line(err))
+
+
+def run_cases(stage: int, cases: Iterable[Case], device: str,
+              error_row: Callable[[int, str, BaseException], None] = fail_row) -> None:
+    """Each case of a stage in turn: one that cannot run here is an n/a row saying why; one
+    that raises is a row of ``error_row`` (a FAIL row, unless the stage reports some errors
+    otherwise), and the next case still runs; the device's memory is freed after each case.
+    ``cases`` is read lazily, so a case is set up only when the one before it has finished."""
+    for case in cases:
+        if case.unavailable is not None:
+            emit(Row(stage, case.name, "n/a", case.unavailable))
+            continue
+        try:
+            case.run()
+        except Exception as err:  # one case failing does not hide the others
+            error_row(stage, case.name, err)
+        free_memory(device)
+
+
 @dataclass
 class Trainable:
     """A model chunk list, its optimizer and a batch source: what train_step needs."""
@@ -312,18 +351,15 @@ def stage_environment(plan: Plan, work: Path) -> None:
 
 def stage_steps(plan: Plan, work: Path) -> None:
     setup_stage(plan)
-    te_why = te_unavailable_reason(plan.device)
+    run_cases(1, _step_cases(plan, te_unavailable_reason(plan.device)), plan.device)
+
+
+def _step_cases(plan: Plan, te_why: Optional[str]) -> Iterable[Case]:
     for mode in MODES:
         for backend in BACKENDS:
             case = f"{mode} / {backend}"
-            if backend == "te" and te_why is not None:
-                emit(Row(1, case, "n/a", f"unavailable: {te_why}"))
-                continue
-            try:
-                _two_steps(plan, case, mode, backend)
-            except Exception as err:  # one case failing does not hide the others
-                check(1, case, False, one_line(err))
-            free_memory(plan.device)
+            yield Case(case, functools.partial(_two_steps, plan, case, mode, backend),
+                       backend_unavailable(backend, te_why))
 
 
 def _two_steps(plan: Plan, case: str, mode: str, backend: str) -> None:
@@ -426,12 +462,14 @@ def stage_resume(plan: Plan, work: Path) -> None:
     backend = "te" if te_why is None else "sdpa"
     if te_why is not None:
         emit(Row(2, "te attention", "n/a", f"unavailable: {te_why}; resume runs with sdpa"))
+    run_cases(2, _resume_cases(plan, work, backend), plan.device)
+
+
+def _resume_cases(plan: Plan, work: Path, backend: str) -> Iterable[Case]:
     for dist_opt in (True, False):
         case = f"dist-opt {'on' if dist_opt else 'off'}, {backend} attention, bf16"
-        try:
-            _resume_case(plan, work / f"resume_{int(dist_opt)}", case, dist_opt, backend)
-        except Exception as err:
-            check(2, case, False, one_line(err))
+        yield Case(case, functools.partial(_resume_case, plan, work / f"resume_{int(dist_opt)}",
+                                           case, dist_opt, backend))
 
 
 def _resume_case(plan: Plan, work: Path, case: str, dist_opt: bool, backend: str) -> None:
@@ -597,20 +635,33 @@ def _tp_resume(plan: Plan, work: Path, world: int, backend: str) -> None:
     """naive and full at TP=2 through the real trainer, saved and resumed: the modes whose
     norms are megatron's (Transformer Engine's with its attention on the GPU), so their
     checkpoint state (TE's extra state included) crosses a TP group."""
-    from megatron_boost.runtime.spawn import run_distributed
-
     te_why = te_unavailable_reason(plan.device)
     attention = "te" if te_why is None else "sdpa"
     if te_why is not None:
         emit(Row(8, "te attention", "n/a", f"unavailable: {te_why}; resume runs with sdpa"))
+    run_cases(8, _tp_resume_cases(plan, work, backend, attention), plan.device,
+              error_row=_spawned_fail_row)
+
+
+def _tp_resume_cases(plan: Plan, work: Path, backend: str, attention: str) -> Iterable[Case]:
     for mode in ("naive", "full"):
         case = f"{mode} tp=2 save/resume, {attention}, bf16"
-        try:
-            (ref, got), _ = run_distributed(_tp_resume_worker, 2, plan, str(work / mode), mode,
-                                            attention, device=plan.device, backend=backend)
-            resume_row(8, case, ref, got)
-        except Exception as err:
-            check(8, case, False, one_line(err)[:300])
+        yield Case(case, functools.partial(_tp_resume_case, plan, work / mode, backend, case,
+                                           mode, attention))
+
+
+def _tp_resume_case(plan: Plan, work: Path, backend: str, case: str, mode: str,
+                    attention: str) -> None:
+    from megatron_boost.runtime.spawn import run_distributed
+
+    (ref, got), _ = run_distributed(_tp_resume_worker, 2, plan, str(work), mode, attention,
+                                    device=plan.device, backend=backend)
+    resume_row(8, case, ref, got)
+
+
+def _spawned_fail_row(stage: int, case: str, err: BaseException) -> None:
+    """A FAIL row of a spawned world's error, cut short: it carries each rank's traceback."""
+    check(stage, case, False, one_line(err)[:300])
 
 
 # ---------------------------------------------------------------------------------------------
