@@ -13,6 +13,10 @@ figure and a text table (the one docs/performance.md includes).
         [--adamw-lrs 1e-3,3e-3,1e-2] [--muon-lrs 1e-3,3e-3,1e-2] \\
         [--full-adamw-lrs ...] [--full-muon-lrs ...] [--out docs/results/optimizers]
 
+The step times are best measured side by side on a quiet machine: ``--timing-only --append``
+re-times every (mode, optimizer) of --modes in one sitting, one after the other, keeping the
+runs (the training runs' perplexities do not depend on the machine's load).
+
 A run that fails is recorded with its exit status and left out of the best-of. With --append,
 OUT.json's runs, timings and command lines are kept: a run of the same mode, optimizer, learning
 rate and iterations replaces the old one, and a (mode, optimizer) already timed is not timed
@@ -176,10 +180,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="docs/results/optimizers",
                    help="writes OUT.json and OUT.txt")
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--timing-only", action="store_true",
+                   help="no training runs: re-time each (mode, optimizer) side by side")
     p.add_argument("--append", action="store_true",
                    help="add to OUT.json (more runs measured in another sitting; see above)")
     args = p.parse_args(argv)
-    if not (ROOT / "data/shakespeare/tokenizer.model").is_file():
+    if not args.timing_only and not (ROOT / "data/shakespeare/tokenizer.model").is_file():
         print("error: the demo corpus is missing (data/shakespeare); run scripts/demo_data.sh "
               "first", file=sys.stderr)
         return 2
@@ -192,6 +198,10 @@ def main(argv=None) -> int:
     results["modes"] += [m for m in modes if m not in results["modes"]]
     results["commands"].append(shlex.join(["python", "scripts/compare_optimizers.py",
                                            *(argv if argv is not None else sys.argv[1:])]))
+    if args.timing_only:
+        retime(results, modes, args.timing_steps, out)
+        print(table(results))
+        return 0
     for mode in modes:
         for optimizer, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
             lrs = getattr(args, f"full_{optimizer}_lrs") or lrs if mode == "full" else lrs
@@ -208,6 +218,16 @@ def main(argv=None) -> int:
     write(results, out)
     print(table(results))
     return 0
+
+
+def retime(results: dict, modes, steps: int, out: Path) -> None:
+    """Time every (mode, optimizer) of ``modes`` in this sitting, replacing earlier timings."""
+    for mode in modes:
+        for optimizer in ("adamw", "muon"):
+            key = f"{mode}-{optimizer}"
+            results["timing"][key] = time_steps(mode, optimizer, steps)
+            print(mode, optimizer, results["timing"][key], flush=True)
+            write(results, out)
 
 
 def record(results: dict, run: dict) -> None:

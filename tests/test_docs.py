@@ -74,6 +74,27 @@ def test_an_appended_run_replaces_its_repeat(tmp_path):
     assert text.startswith("$ python scripts/compare_optimizers.py --modes full\n")
 
 
+def test_timing_only_retimes_every_pair_and_keeps_the_runs(tmp_path, monkeypatch):
+    """compare_optimizers --timing-only --append: every (mode, optimizer) of --modes is timed
+    again in this sitting, an earlier sitting's timing is replaced, the runs stay."""
+    co = _compare_optimizers()
+    run = {"mode": "boost", "optimizer": "muon", "lr": 1e-2, "iters": 300, "exit": 0,
+           "val_ppl": {"300": 90.0}, "tokens": 1}
+    out = tmp_path / "optimizers"
+    out.with_suffix(".json").write_text(json.dumps(
+        {"modes": ["boost"], "runs": [run], "commands": [],
+         "timing": {"boost-muon": {"step_s": 9.0, "optimizer_s": 8.0}}}))
+    timed = []
+    monkeypatch.setattr(co, "time_steps", lambda mode, optimizer, steps: timed.append(
+        (mode, optimizer)) or {"step_s": 0.5, "optimizer_s": 0.1})
+    assert co.main(["--timing-only", "--append", "--modes", "boost,full",
+                    "--out", str(out)]) == 0
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert timed == [("boost", "adamw"), ("boost", "muon"), ("full", "adamw"), ("full", "muon")]
+    assert all(t == {"step_s": 0.5, "optimizer_s": 0.1} for t in results["timing"].values())
+    assert results["runs"] == [run] and len(results["timing"]) == 4
+
+
 def test_bench_table_reads_the_json(tmp_path):
     """The benchmark table shows the JSON's own numbers (median step, ratios, overhead)."""
     rd = _render_docs()
