@@ -106,7 +106,7 @@ def test_design_doc_citations_exist():
 def test_broken_citations_are_found():
     """The checker itself: a missing file, a missing name and a missing method are reported;
     real ones are not."""
-    text = ("`megatron_boost/nowhere.py` and `cola_init_` in `model/init.py`, "
+    text = ("`megatron_boost/nowhere.py` and `cola_init_` in `model/layers.py`, "
             "`no_such_function` in `model/layers.py`, `record_collectives(group)` "
             "(`analysis/collectives.py`), `_ReplayReduce`, `_get_cuda_rng_state` (megatron's), "
             "`_no_such_private()` and `BoostBottleneckGroup.no_such_method` in\n"

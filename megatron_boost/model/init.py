@@ -1,4 +1,5 @@
-"""Layout-independent initialisation (docs/design.md §8) and CoLA's init formula (§1).
+"""Layout-independent initialisation (docs/design.md §8); CoLA's init formula (§1) is the
+layers' own (model/layers.py).
 
 Every parameter is drawn as its GLOBAL tensor from a generator seeded by the run seed and the
 parameter's global checkpoint key, then sliced to this rank's shard: the same seed gives the
@@ -16,21 +17,11 @@ from typing import Callable, Iterable, List
 
 import torch
 
-__all__ = ["cola_std", "cola_init_", "sharded_params", "uses_output_init", "starts_at_one",
+from megatron_boost.model.gpt import GatheredRMSNorm
+from megatron_boost.model.layers import BottleneckGroup, cola_std
+
+__all__ = ["sharded_params", "uses_output_init", "starts_at_one",
            "init_global_weights", "build_globally_initialised"]
-
-
-def cola_std(rank: int, d_in: int, d_out: int) -> float:
-    """CoLA's init std of both factors of a bottleneck d_in -> r -> d_out
-    (CoLA, arXiv 2502.10940): r^(-1/4) · (d_in + d_out)^(-1/4)."""
-    return rank ** -0.25 * (d_in + d_out) ** -0.25
-
-
-def cola_init_(master: torch.Tensor, rank: int, d_in: int, d_out: int) -> torch.Tensor:
-    """CoLA initialisation of a global factor in place: normal(0, cola_std)."""
-    with torch.no_grad():
-        master.normal_(0.0, cola_std(rank, d_in, d_out))
-    return master
 
 
 def sharded_params(model: torch.nn.Module, prefix: str = ""):
@@ -123,8 +114,6 @@ def uses_output_init(module: torch.nn.Module, param_name: str) -> bool:
     B factor of a bottleneck (the layers draw B with ``output_layer_init_method``), every
     factor of a group that writes the residual stream (proj, fc2: ``Group.writes_residual``
     of the placement table), and megatron's row-parallel linears (full rank proj, fc2)."""
-    from megatron_boost.model.layers import BottleneckGroup
-
     if isinstance(module, BottleneckGroup):
         return module.group.writes_residual or param_name.startswith("B_")
     return isinstance(module, _row_parallel_types())
@@ -137,7 +126,6 @@ def _norm_types() -> tuple:
     Transformer Engine's (what TENorm builds) where it imports."""
     from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
 
-    from megatron_boost.model.gpt import GatheredRMSNorm
     from megatron_boost.runtime.backends import te_available
 
     types = (torch.nn.RMSNorm, torch.nn.LayerNorm, FusedLayerNorm, GatheredRMSNorm)
@@ -153,7 +141,6 @@ def _norm_fusing_types() -> tuple:
     """The linears that fuse the norm before them and hold its scale as ``layer_norm_weight``:
     the bottleneck groups' column layers (online RMSNorm) and Transformer Engine's
     LayerNormColumnParallelLinear where it imports."""
-    from megatron_boost.model.layers import BottleneckGroup
     from megatron_boost.runtime.backends import te_available
 
     if not te_available():

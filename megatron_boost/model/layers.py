@@ -42,7 +42,6 @@ from megatron.core.utils import get_pg_rank, get_pg_size, make_tp_sharded_tensor
 from megatron_boost.compat import linear_with_dgrad_allreduce
 from megatron_boost.config.modes import TPMode, check_divisible_by_tp
 from megatron_boost.config.transformer import BoostTransformerConfig, get_bottleneck_activation
-from megatron_boost.model.init import cola_init_
 from megatron_boost.model.online_rmsnorm import (
     inverse_rms,
     partial_sum_of_squares,
@@ -59,6 +58,8 @@ from megatron_boost.parallel.mappings import (
 from megatron_boost.parallel.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
 
 __all__ = [
+    "cola_std",
+    "cola_init_",
     "Projection",
     "BottleneckGroup",
     "BoostBottleneckGroup",
@@ -74,6 +75,19 @@ __all__ = [
     "NaiveLinearProj",
     "NaiveLinearFC2",
 ]
+
+
+def cola_std(rank: int, d_in: int, d_out: int) -> float:
+    """CoLA's init std of both factors of a bottleneck d_in -> r -> d_out
+    (CoLA, arXiv 2502.10940): r^(-1/4) · (d_in + d_out)^(-1/4)."""
+    return rank ** -0.25 * (d_in + d_out) ** -0.25
+
+
+def cola_init_(master: torch.Tensor, rank: int, d_in: int, d_out: int) -> torch.Tensor:
+    """CoLA initialisation of a global factor in place: normal(0, cola_std)."""
+    with torch.no_grad():
+        master.normal_(0.0, cola_std(rank, d_in, d_out))
+    return master
 
 
 @dataclass(frozen=True)
