@@ -10,8 +10,13 @@ figure and a text table (the one docs/performance.md includes).
 
     scripts/demo_data.sh                      # the demo corpus, once
     python scripts/compare_optimizers.py [--iters N] [--modes boost,full] \\
-        [--adamw-lrs 1e-3,3e-3,1e-2] [--muon-lrs 1e-3,3e-3,1e-2] \\
-        [--full-adamw-lrs ...] [--full-muon-lrs ...] [--out docs/results/optimizers]
+        [--adamw-lrs 1e-3,3e-3,1e-2] [--muon-lrs 1e-3,3e-3,1e-2,3e-2] \\
+        [--full-adamw-lrs 3e-4,1e-3,3e-3] [--full-muon-lrs 3e-3,1e-2,3e-2] \\
+        [--out docs/results/optimizers]
+
+The default grids are those of the published result: around each optimizer's best in each mode,
+with its best inside the grid (AdamW's best at full rank lies lower than in boost, Muon's best
+in boost lower than at full rank).
 
 The step times are best measured side by side on a quiet machine: ``--timing-only --append``
 re-times every (mode, optimizer) of --modes in one sitting, one after the other, keeping the
@@ -170,11 +175,11 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=300, help="iterations per run (demo: 300)")
     p.add_argument("--modes", default="boost,full")
     p.add_argument("--adamw-lrs", default="1e-3,3e-3,1e-2")
-    p.add_argument("--muon-lrs", default="1e-3,3e-3,1e-2")
-    p.add_argument("--full-adamw-lrs", default=None,
-                   help="AdamW's learning rates at full rank (default: --adamw-lrs)")
-    p.add_argument("--full-muon-lrs", default=None,
-                   help="Muon's learning rates at full rank (default: --muon-lrs)")
+    p.add_argument("--muon-lrs", default="1e-3,3e-3,1e-2,3e-2")
+    p.add_argument("--full-adamw-lrs", default="3e-4,1e-3,3e-3",
+                   help="AdamW's learning rates at full rank")
+    p.add_argument("--full-muon-lrs", default="3e-3,1e-2,3e-2",
+                   help="Muon's learning rates at full rank")
     p.add_argument("--timing-steps", type=int, default=5)
     p.add_argument("--runs", default="runs/optimizers", help="where the runs are written")
     p.add_argument("--out", default="docs/results/optimizers",
@@ -204,7 +209,7 @@ def main(argv=None) -> int:
         return 0
     for mode in modes:
         for optimizer, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
-            lrs = getattr(args, f"full_{optimizer}_lrs") or lrs if mode == "full" else lrs
+            lrs = getattr(args, f"full_{optimizer}_lrs") if mode == "full" else lrs
             for lr in _floats(lrs):
                 record(results, train(mode, optimizer, lr, args.iters, Path(args.runs),
                                       args.timeout))

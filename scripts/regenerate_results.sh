@@ -10,13 +10,20 @@
 # The CPU benchmark measures ratios side by side in one sitting; run it on a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck disable=SC1091
-. "${VENV:-.venv}/bin/activate"
+activate() {  # the environment scripts/setup_env.sh made (demo.sh makes it itself)
+  if [ ! -f "${VENV:-.venv}/bin/activate" ]; then
+    echo "error: no environment at ${VENV:-.venv}; run scripts/setup_env.sh first (or name one with VENV=...)" >&2
+    exit 2
+  fi
+  # shellcheck disable=SC1091
+  . "${VENV:-.venv}/bin/activate"
+}
 out=docs/results
 mkdir -p "$out"
 what=${*:-bench comm perf precision ckpt}
 
 for item in $what; do
+  [ "$item" = demo ] || activate
   case "$item" in
     bench)
       # Without recompute: full (the BOOST paper's baseline, no sequence parallelism), full+sp
@@ -50,14 +57,17 @@ for item in $what; do
         sed -n '/sampling from the trained model/,/exporting it as/{/exporting it as/!p}' "$log"
         grep -E '^verification:|done in [0-9]+s' "$log"; } > "$out/demo.txt" ;;
     optimizers)
-      # AdamW vs Muon on the demo corpus, best of 3 learning rates each, boost and full rank:
-      # 12 training runs of the demo (about an hour on 2 quiet CPU cores).
+      # AdamW vs Muon on the demo corpus, each at its best of 3 or 4 learning rates, boost and
+      # full rank: 13 training runs of the demo (about 40 minutes on 2 quiet CPU cores), then
+      # the step times of all four side by side.
       scripts/demo_data.sh
-      python scripts/compare_optimizers.py --out "$out/optimizers" ;;  # optimizers.json, optimizers.txt
+      python scripts/compare_optimizers.py --out "$out/optimizers"  # optimizers.json, .txt
+      python scripts/compare_optimizers.py --out "$out/optimizers" --timing-only --append ;;
     precision)
       python tools/precision_check.py --config configs/debug.yaml --tp 2 \
         > "$out/precision-debug-tp2.txt" ;;
-    *) echo "error: unknown item '$item' (known: bench comm perf precision demo optimizers)" >&2; exit 2 ;;
+    *) echo "error: unknown item '$item' (known: bench comm perf precision demo paper ckpt optimizers)" >&2; exit 2 ;;
   esac
 done
+activate
 python scripts/render_docs.py
