@@ -61,7 +61,7 @@ for item in $what; do
       # full rank: 13 training runs of the demo (about 40 minutes on 2 quiet CPU cores), then
       # the step times of all four side by side.
       scripts/demo_data.sh
-      python scripts/compare_optimizers.py --out "$out/optimizers"  # optimizers.json, .txt
+      python scripts/compare_optimizers.py --out "$out/optimizers"  # optimizers.json, optimizers.txt
       python scripts/compare_optimizers.py --out "$out/optimizers" --timing-only --append ;;
     precision)
       python tools/precision_check.py --config configs/debug.yaml --tp 2 \
