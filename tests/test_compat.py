@@ -68,7 +68,7 @@ def test_bottleneck_slots_fill_both_mlp_shapes(shape, mode):
     'submodules')."""
     from megatron_boost.compat import local_layer_spec, spec_submodules
     from megatron_boost.model import specs
-    from megatron_boost.model.layers import BoostLinearFC1, BoostLinearFC2, NaiveLinearFC1
+    from megatron_boost.parallel.layers import BoostLinearFC1, BoostLinearFC2, NaiveLinearFC1
 
     spec = shape(local_layer_spec())
     if mode == "boost":

@@ -3,7 +3,7 @@
 The design document names code in two backticked forms, and both are checked here:
 
 * a path: ``megatron_boost/config/transformer.py``, ``tools/comm_volume.py``, or a path inside the
-  package without its prefix (``model/layers.py`` means ``megatron_boost/model/layers.py``);
+  package without its prefix (``parallel/layers.py`` means ``megatron_boost/parallel/layers.py``);
   every backticked token that ends in a file suffix of the repository (.py .sh .yaml .sbatch
   .md) and has a ``/`` or is a top-level file must exist;
 * a name in a path: ```name` in `path` ``, ```name` of `path` ``, ```name` (`path`) `` or
@@ -106,17 +106,17 @@ def test_design_doc_citations_exist():
 def test_broken_citations_are_found():
     """The checker itself: a missing file, a missing name and a missing method are reported;
     real ones are not."""
-    text = ("`megatron_boost/nowhere.py` and `cola_init_` in `model/layers.py`, "
-            "`no_such_function` in `model/layers.py`, `record_collectives(group)` "
+    text = ("`megatron_boost/nowhere.py` and `cola_init_` in `parallel/layers.py`, "
+            "`no_such_function` in `parallel/layers.py`, `record_collectives(group)` "
             "(`analysis/collectives.py`), `_ReplayReduce`, `_get_cuda_rng_state` (megatron's), "
             "`_no_such_private()` and `BoostBottleneckGroup.no_such_method` in\n"
-            "`model/layers.py`.")
+            "`parallel/layers.py`.")
     assert broken_citations(text) == [
         "`megatron_boost/nowhere.py`: no such file",
         "`_no_such_private`: defined nowhere in the repository or megatron-core",
-        "`BoostBottleneckGroup.no_such_method` in `model/layers.py`: no_such_method not "
+        "`BoostBottleneckGroup.no_such_method` in `parallel/layers.py`: no_such_method not "
         "defined there",
-        "`no_such_function` in `model/layers.py`: no_such_function not defined there",
+        "`no_such_function` in `parallel/layers.py`: no_such_function not defined there",
     ]
 
 
@@ -221,10 +221,10 @@ def test_tools_are_shims_as_the_design_document_says():
 
 
 def test_the_layer_docstring_says_how_weights_start():
-    """model/layers.py's BottleneckGroup documents both starts: drawn and sliced with
+    """parallel/layers.py's BottleneckGroup documents both starts: drawn and sliced with
     megatron's perform_initialization, left empty for the global init without it (the code
     path of _initial_shard)."""
-    from megatron_boost.model.layers import BottleneckGroup
+    from megatron_boost.parallel.layers import BottleneckGroup
 
     doc = " ".join(BottleneckGroup.__doc__.split())
     assert "perform_initialization" in doc and "left empty" in doc

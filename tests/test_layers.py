@@ -47,7 +47,7 @@ def make_config(tp, mode, act="silu", groups=HEADS, dtype=torch.float32):
 
 
 def build_layer(kind, mode, config, group):
-    from megatron_boost.model import layers as L
+    from megatron_boost.parallel import layers as L
 
     groups = config.num_query_groups
     qkv_out = HEADS * HN + 2 * groups * HN

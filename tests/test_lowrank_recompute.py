@@ -194,7 +194,7 @@ def test_the_layers_do_not_know_about_recompute():
     layer modules (no attribute installed on them, no replay path of their own)."""
     from pathlib import Path
 
-    import megatron_boost.model.layers as layers
+    import megatron_boost.parallel.layers as layers
 
     source = Path(layers.__file__).read_text()
     for name in ("recompute", "replay", "forward_reductions", "ForwardReductions"):

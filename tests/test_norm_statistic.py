@@ -28,7 +28,7 @@ S, B, D, FFN, RANK = 8, 2, 64, 96, 24
 
 def _layer(group):
     from megatron_boost.config.transformer import BoostTransformerConfig
-    from megatron_boost.model.layers import BoostLinearFC1
+    from megatron_boost.parallel.layers import BoostLinearFC1
 
     config = BoostTransformerConfig(
         num_layers=1, hidden_size=D, num_attention_heads=4, ffn_hidden_size=FFN,

@@ -27,7 +27,7 @@ def _fc2_layer(**slot_kwargs):
     import torch
 
     from megatron_boost.config.transformer import BoostTransformerConfig
-    from megatron_boost.model.layers import BoostLinearFC2
+    from megatron_boost.parallel.layers import BoostLinearFC2
 
     config = BoostTransformerConfig(
         num_layers=1, hidden_size=SHAPE.hidden, num_attention_heads=SHAPE.heads,

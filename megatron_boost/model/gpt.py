@@ -272,7 +272,7 @@ def _replicated_over_tp(sh) -> bool:
     along any of its own (not prepended) axes, and every ShardedObject, which megatron makes for
     a module's state replicated across TP and DP (``make_sharded_object_for_checkpoint`` in
     megatron/core/transformer/utils.py; its global shape holds the prepended layer axis only).
-    Factories (a grouped A, model/layers.py) come only from layers on the real TP group, which
+    Factories (a grouped A, parallel/layers.py) come only from layers on the real TP group, which
     shard them."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 

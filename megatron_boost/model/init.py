@@ -1,5 +1,5 @@
 """Layout-independent initialisation (docs/design.md §8); CoLA's init formula (§1) is the
-layers' own (model/layers.py).
+layers' own (parallel/layers.py).
 
 Every parameter is drawn as its GLOBAL tensor from a generator seeded by the run seed and the
 parameter's global checkpoint key, then sliced to this rank's shard: the same seed gives the
@@ -18,7 +18,7 @@ from typing import Callable, Iterable, List
 import torch
 
 from megatron_boost.model.gpt import GatheredRMSNorm
-from megatron_boost.model.layers import BottleneckGroup, cola_std
+from megatron_boost.parallel.layers import BottleneckGroup, cola_std
 
 __all__ = ["sharded_params", "uses_output_init", "starts_at_one",
            "init_global_weights", "build_globally_initialised"]
@@ -42,7 +42,7 @@ def sharded_params(model: torch.nn.Module, prefix: str = ""):
         if isinstance(sh, ShardedTensorFactory):
             # megatron's gated fc1 (full mode) saves its local [gate_k; up_k] as two pieces of
             # the global [gate; up]: the local tensor is their concatenation along dim 0. A
-            # grouped A (model/layers.py) holds several global tensors, A_q, A_k, ...: one
+            # grouped A (parallel/layers.py) holds several global tensors, A_q, A_k, ...: one
             # entry each, over its rows of the local tensor.
             pieces = [p for p in nested_values(sh.build()) if isinstance(p, ShardedTensor)]
         elif isinstance(sh, ShardedTensor):

@@ -33,7 +33,7 @@ from megatron_boost.compat import local_layer_spec, spec_submodules, te_layer_sp
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.attention import core_attention_class
-from megatron_boost.model.layers import (
+from megatron_boost.parallel.layers import (
     BoostLinearFC1,
     BoostLinearFC2,
     BoostLinearProj,

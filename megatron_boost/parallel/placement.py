@@ -10,7 +10,7 @@ table :data:`PLACEMENT` states
   and, for full rank, those megatron's sequence parallelism issues in their place,
 * where the input norm and its statistic live (:class:`Norm`).
 
-Everything else reads it: the layers (``model/layers.py``) take their split axes from it, the
+Everything else reads it: the layers (``parallel/layers.py``) take their split axes from it, the
 communication formulas (``analysis/comm.py``), the perf model's GEMM shapes and parameters
 (``perf/model.py``) and the per-rank factor shapes (:func:`local_factor_shapes`) their sizes.
 

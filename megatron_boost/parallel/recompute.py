@@ -11,7 +11,7 @@ The layers do not know about it: their forward is written once. The log of the l
 reductions (:class:`ForwardReductions`) is the context of the collectives themselves
 (:func:`active_log`), set by :func:`lowrank_checkpoint` for the checkpointed forward and for the
 recompute only. The forward all-reduces of ``parallel/mappings.py`` (``reduce_forward``,
-``reduce_products``) and online-RMSNorm's statistic (``model/online_rmsnorm.py``) record their
+``reduce_products``) and online-RMSNorm's statistic (``parallel/online_rmsnorm.py``) record their
 results into it, then replay them in issue order. Outside a checkpointed layer there is no log
 and they reduce normally.
 """

@@ -43,7 +43,7 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from megatron_boost.compat import optimizer_param_groups
-from megatron_boost.model.layers import BottleneckGroup
+from megatron_boost.parallel.layers import BottleneckGroup
 
 __all__ = ["NS_COEFFICIENTS", "SCALE_RULES", "newton_schulz", "update_scale", "BoostMuon",
            "muon_params", "build_muon_optimizer"]

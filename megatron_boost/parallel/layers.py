@@ -13,7 +13,7 @@ boost (BOOST's bottleneck-aware TP, docs/design.md §2):
     layer_norm_weight: [d_in/t] (fused online-RMSNorm, column layers only)
     One all-reduce of width Σr (+1 with the norm in fp32) forward, one of width Σr backward;
     with bf16 products the norm's fp32 statistic has an all-reduce of its own, started before
-    the A GEMM (``model/online_rmsnorm.py``).
+    the A GEMM (``parallel/online_rmsnorm.py``).
 
 naive ("vanilla TP", Megatron's MLP pattern applied to each (A, B) pair):
     A_<p>: [r_p/t, d_in]  sharded along r (dim 0; column-parallel, replicated input)
@@ -42,7 +42,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size, make_tp_sharded_tensor
 from megatron_boost.compat import linear_with_dgrad_allreduce
 from megatron_boost.config.modes import TPMode, check_divisible_by_tp
 from megatron_boost.config.transformer import BoostTransformerConfig, get_bottleneck_activation
-from megatron_boost.model.online_rmsnorm import (
+from megatron_boost.parallel.online_rmsnorm import (
     inverse_rms,
     partial_sum_of_squares,
     start_sum_of_squares,
@@ -316,7 +316,7 @@ class BoostBottleneckGroup(BottleneckGroup):
         """ONE GEMM for the group's A factors on the (γ-scaled) shard and ONE all-reduce of the
         partial products (``reduce_products``); fwd AR(Σr), bwd identity (then the GEMMs'
         backward). With the fused norm, online-RMSNorm's fp32 statistic
-        (``model/online_rmsnorm.py``) rides as one extra column of that all-reduce (Σr + 1)
+        (``parallel/online_rmsnorm.py``) rides as one extra column of that all-reduce (Σr + 1)
         with fp32 products; with bf16 products its own fp32 all-reduce is started before the
         GEMM and waited for after the products' one. Returns (products, statistic or None).
         Low-rank activation checkpointing serves both from its log, through the mappings
