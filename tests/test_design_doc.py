@@ -162,11 +162,13 @@ def _design_sections(text: str) -> set:
 
 def section_references(root: Path = ROOT) -> list:
     """(file, section) of every citation of a design.md section: "docs/design.md §2, §5" in
-    the code, scripts, tests and documents, and every bare "§N" inside design.md itself."""
+    the code, scripts (Slurm's too), tests, configs, CI and documents, and every bare "§N"
+    inside design.md itself."""
     refs = []
-    for path in [p for d in _CODE_DIRS for p in (root / d).rglob("*.py")] + \
-            [p for d in _CODE_DIRS for p in (root / d).rglob("*.sh")] + \
-            [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+    for path in [p for d in _CODE_DIRS for ext in ("*.py", "*.sh", "*.sbatch")
+                 for p in (root / d).rglob(ext)] + \
+            [root / "README.md", *sorted((root / "docs").glob("*.md")),
+             *sorted((root / "configs").glob("*.yaml")), *sorted((root / ".ci").iterdir())]:
         text = " ".join(path.read_text(encoding="utf-8", errors="replace").split())
         found = (re.findall(r"§(\d+(?:\.\d+)?)", text) if path.name == "design.md" else
                  [n for m in _SECTION_REF.findall(text) for n in re.findall(r"§(\d+(?:\.\d+)?)", m)])
