@@ -117,13 +117,18 @@ def _end_leftovers() -> List[str]:
     _release_checkpoint_results_queue()
     left = outliving_processes()
     described = [_describe(proc) for proc in left]
-    for proc in left:
+    kill_all(left)
+    return described
+
+
+def kill_all(procs: List[psutil.Process], wait_s: float = 10.0) -> None:
+    """SIGKILL each process (those already gone are skipped) and wait for them to end."""
+    for proc in procs:
         try:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(left, timeout=5)
-    return described
+    psutil.wait_procs(procs, timeout=wait_s)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -301,18 +301,15 @@ def _kill_tree(proc) -> None:
     they are found before the kill, while they are still the rank's descendants."""
     import psutil
 
+    from tests.leak_check import kill_all
+
     try:
         helpers = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         helpers = []
     proc.kill()
     proc.join()
-    for helper in helpers:
-        try:
-            helper.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(helpers, timeout=10)
+    kill_all(helpers)
 
 
 def _tails(files) -> str:
