@@ -194,6 +194,17 @@ def backend_unavailable(backend: str, te_why: Optional[str]) -> Optional[str]:
     return f"unavailable: {te_why}" if backend == "te" and te_why is not None else None
 
 
+def _resume_attention(stage: int, plan: Plan) -> str:
+    """The attention backend a stage's save/resume runs with: Transformer Engine's, whose
+    extra state the checkpoint must carry, where it runs here; else sdpa, after an n/a row
+    saying why."""
+    te_why = te_unavailable_reason(plan.device)
+    if te_why is None:
+        return "te"
+    emit(Row(stage, "te attention", "n/a", f"unavailable: {te_why}; resume runs with sdpa"))
+    return "sdpa"
+
+
 class Case(NamedTuple):
     """One case of a stage: the name its row carries, its measurement (which prints the row;
     None for a case that cannot run), and why it cannot run here (None: it can; else the
@@ -458,11 +469,7 @@ def stage_resume(plan: Plan, work: Path) -> None:
     settings = ", ".join(f"{k}={v}" for k, v in DETERMINISTIC_ENV.items())
     info(2, "deterministic settings", f"torch.use_deterministic_algorithms(True, warn_only=True)"
                                       f", {settings}; criterion: bitwise-equal losses")
-    te_why = te_unavailable_reason(plan.device)
-    backend = "te" if te_why is None else "sdpa"
-    if te_why is not None:
-        emit(Row(2, "te attention", "n/a", f"unavailable: {te_why}; resume runs with sdpa"))
-    run_cases(2, _resume_cases(plan, work, backend), plan.device)
+    run_cases(2, _resume_cases(plan, work, _resume_attention(2, plan)), plan.device)
 
 
 def _resume_cases(plan: Plan, work: Path, backend: str) -> Iterable[Case]:
@@ -635,10 +642,7 @@ def _tp_resume(plan: Plan, work: Path, world: int, backend: str) -> None:
     """naive and full at TP=2 through the real trainer, saved and resumed: the modes whose
     norms are megatron's (Transformer Engine's with its attention on the GPU), so their
     checkpoint state (TE's extra state included) crosses a TP group."""
-    te_why = te_unavailable_reason(plan.device)
-    attention = "te" if te_why is None else "sdpa"
-    if te_why is not None:
-        emit(Row(8, "te attention", "n/a", f"unavailable: {te_why}; resume runs with sdpa"))
+    attention = _resume_attention(8, plan)
     run_cases(8, _tp_resume_cases(plan, work, backend, attention), plan.device,
               error_row=_spawned_fail_row)
 
