@@ -117,7 +117,7 @@ def _end_leftovers() -> List[str]:
     _release_checkpoint_results_queue()
     left = outliving_processes()
     described = [_describe(proc) for proc in left]
-    kill_all(left)
+    kill_all(left, wait_s=5)
     return described
 
 
