@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from typing import FrozenSet, Optional, Tuple
 
@@ -54,7 +55,9 @@ import megatron.core
 from packaging.version import Version
 
 __all__ = ["SUPPORTED_MEGATRON", "megatron_version", "megatron_supported",
-           "check_megatron_version", "spec_submodules", "local_layer_spec", "te_layer_spec",
+           "check_megatron_version", "spec_submodules", "with_module_class",
+           "custom_mlp_slot",
+           "local_layer_spec", "te_layer_spec",
            "linear_with_dgrad_allreduce", "forward_backward_func", "save_sharded",
            "load_sharded", "async_calls_queue", "ASYNC_SAVE_STRATEGY",
            "optimizer_reload_defects", "null_tokenizer", "rank_zero_without_process_group",
@@ -119,6 +122,41 @@ def spec_submodules(spec):
     except ImportError:
         get_submodules = _get_submodules_fallback
     return get_submodules(spec)
+
+
+def with_module_class(spec, cls):
+    """A ModuleSpec slot building ``cls`` (a subclass of its module) instead; its params and
+    submodules are kept."""
+    spec = copy.copy(spec)
+    spec.module = cls
+    return spec
+
+
+@dataclasses.dataclass
+class _MLPSlot:
+    """An MLP slot that megatron's ``build_module`` builds from its fields as from a
+    ModuleSpec (it reads ``module``, ``params``, ``submodules``), but that is not one."""
+
+    module: type
+    params: dict
+    submodules: object
+
+
+def custom_mlp_slot(spec, cls, tp_group):
+    """The MLP slot ``spec`` building ``cls``, a subclass of megatron's MLP, with the TP group
+    megatron hands its own MLP.
+
+    From megatron 0.18 the slot is ``functools.partial(MLP.as_mlp_submodule, submodules=...)``,
+    which passes the layer's TP group to any class: ``cls.as_mlp_submodule`` takes its place.
+    Before (0.16, 0.17) it is a ModuleSpec, and ``TransformerLayer`` passes ``tp_group`` only
+    when the spec's module IS megatron's MLP (an identity test), warning "Unknown MLP type" for
+    any other ModuleSpec; so the slot becomes a plain object with the same three fields
+    (:class:`_MLPSlot`), ``tp_group`` among its params, which the layer hands to
+    ``build_module`` without either."""
+    if isinstance(spec, functools.partial):
+        return functools.partial(cls.as_mlp_submodule, *spec.args, **spec.keywords)
+    return _MLPSlot(module=cls, params={**(spec.params or {}), "tp_group": tp_group},
+                    submodules=spec.submodules)
 
 
 def local_layer_spec(normalization: str = "RMSNorm"):

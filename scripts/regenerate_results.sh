@@ -4,7 +4,7 @@
 #   scripts/regenerate_results.sh                 # everything (about 10 minutes on 2 CPU cores)
 #   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision, demo,
 #                                                 # paper (the paper table's CPU dry run), ckpt,
-#                                                 # optimizers
+#                                                 # optimizers, ledger, ledger-before
 # `demo` runs scripts/demo.sh (set-up included: run it in a fresh clone to time a new user's
 # first command) and keeps its key lines in docs/results/demo.txt.
 # The CPU benchmark measures ratios side by side in one sitting; run it on a quiet machine.
@@ -20,7 +20,7 @@ activate() {  # the environment scripts/setup_env.sh made (demo.sh makes it itse
 }
 out=docs/results
 mkdir -p "$out"
-what=${*:-bench comm perf precision ckpt}
+what=${*:-bench comm perf precision ckpt ledger}
 
 for item in $what; do
   [ "$item" = demo ] || activate
@@ -63,10 +63,37 @@ for item in $what; do
       scripts/demo_data.sh
       python scripts/compare_optimizers.py --out "$out/optimizers"  # optimizers.json, optimizers.txt
       python scripts/compare_optimizers.py --out "$out/optimizers" --timing-only --append ;;
+    ledger)
+      # The per-layer op ledger (docs/design.md §17) at the BOOST paper's 7B TP=4 and 1B TP=1
+      # per-rank shapes, and boost's forward all-reduces pipelined over 2 blocks.
+      python tools/layer_ops.py --config configs/paper-7b.yaml --modes full,full+sp,naive,boost \
+        training.device=cpu --json "$out/layer-ops-paper-7b.json"
+      python tools/layer_ops.py --config configs/paper-7b.yaml --modes boost --chunks 2 \
+        training.device=cpu --json "$out/layer-ops-paper-7b-chunks2.json"
+      python tools/layer_ops.py --config configs/paper-1b.yaml --tp 1 --modes full,naive,boost \
+        training.device=cpu --json "$out/layer-ops-paper-1b-tp1.json" ;;
+    ledger-before)
+      # The same ledgers of the layers as they were before the lean boost step (commit 5398f43:
+      # online norm in eager fp32, fused-layout copies, megatron's unfused SwiGLU), measured by
+      # this checkout's ledger: a worktree of that commit with the ledger's modules laid over.
+      old=$(mktemp -d)
+      trap 'git worktree remove --force "$old" >/dev/null 2>&1 || true' EXIT
+      git worktree add --detach "$old" 5398f43 >/dev/null
+      for f in megatron_boost/analysis megatron_boost/config megatron_boost/runtime/backends.py \
+               megatron_boost/parallel/fusion.py megatron_boost/cli/layer_ops.py \
+               megatron_boost/cli/arg_types.py megatron_boost/compat.py tools/layer_ops.py; do
+        rm -rf "${old:?}/$f" && cp -r "$f" "$old/$f"
+      done
+      (cd "$old" && PYTHONPATH="$old" python tools/layer_ops.py --config configs/paper-7b.yaml \
+         --modes full,full+sp,naive,boost training.device=cpu model.bias_activation_fusion=false \
+         --json "$OLDPWD/$out/layer-ops-paper-7b-before.json" \
+       && PYTHONPATH="$old" python tools/layer_ops.py --config configs/paper-1b.yaml --tp 1 \
+         --modes full,naive,boost training.device=cpu model.bias_activation_fusion=false \
+         --json "$OLDPWD/$out/layer-ops-paper-1b-tp1-before.json") ;;
     precision)
       python tools/precision_check.py --config configs/debug.yaml --tp 2 \
         > "$out/precision-debug-tp2.txt" ;;
-    *) echo "error: unknown item '$item' (known: bench comm perf precision demo paper ckpt optimizers)" >&2; exit 2 ;;
+    *) echo "error: unknown item '$item' (known: bench comm perf precision demo paper ckpt optimizers ledger ledger-before)" >&2; exit 2 ;;
   esac
 done
 activate

@@ -18,7 +18,10 @@ Kinds of block:
   recompute overhead when a file was measured with ``--recompute lowrank`` beside one without);
 * ``placement``: the placement table (``megatron_boost/parallel/placement.py``) as Markdown;
 * ``paper-table PATH``: the paper-table report (JSON) written by ``tools/paper_table.py
-  --json``, as that tool prints it (``megatron_boost.cli.paper_table.markdown_table``).
+  --json``, as that tool prints it (``megatron_boost.cli.paper_table.markdown_table``);
+* ``ledger PATH [PATH ...]``: the op ledgers written by ``tools/layer_ops.py --json``, one row
+  per layer (``megatron_boost.analysis.ledger.ledger_table``);
+* ``ledger-change BEFORE AFTER``: each layer of AFTER beside the same layer of BEFORE.
 
     python scripts/render_docs.py            # rewrite the blocks in place
     python scripts/render_docs.py --check    # exit 1, naming each stale block, if any differs
@@ -136,8 +139,56 @@ def _paper_table(root: Path, path: str) -> str:
     return markdown_table(json.loads((root / path).read_text()))
 
 
+def _ledgers(root: Path, *paths: str) -> List[dict]:
+    return [entry for p in paths for entry in json.loads((root / p).read_text())]
+
+
+def _ledger(root: Path, *paths: str) -> str:
+    """The op ledgers of ``tools/layer_ops.py --json`` files, one row per layer."""
+    from megatron_boost.analysis.ledger import ledger_table
+
+    return ledger_table(_ledgers(root, *paths)) + "\n"
+
+
+def _ledger_change(root: Path, before: str, after: str) -> str:
+    """Each layer of ``after`` beside the same layer (mode, TP, sequence parallelism) of
+    ``before``: the figures a change of the layers moves, before -> after."""
+    from megatron_boost.analysis.ledger import spec_label
+
+    def key(entry):
+        spec = entry["spec"]
+        return spec["mode"], spec["tp"], spec["sequence_parallel"], spec["recompute"]
+
+    old = {key(e): e for e in _ledgers(root, before)}
+    lines = ["| layer | tp | kernels fwd+bwd | elementwise+copy GB | layout copies outside "
+             "attention | exposed collectives MiB | saved GiB | fp32 [T, >1] saved GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def pair(a, b, fmt):
+        return f"{fmt(a)} → {fmt(b)}"
+
+    for entry in _ledgers(root, after):
+        prev = old.get(key(entry))
+        if prev is None:
+            continue
+        s0, s1 = prev["summary"], entry["summary"]
+        lines.append(" | ".join([
+            f"| {spec_label(entry['spec'])}", str(entry["spec"]["tp"]),
+            pair(s0["total"]["kernels"], s1["total"]["kernels"], str),
+            pair(s0["total"]["traffic_bytes"], s1["total"]["traffic_bytes"],
+                 lambda b: f"{b / 1e9:.2f}"),
+            pair(s0["layout_copies_outside_attention"], s1["layout_copies_outside_attention"],
+                 str),
+            pair(s0["collectives_exposed_bytes"], s1["collectives_exposed_bytes"],
+                 lambda b: f"{b / 2 ** 20:.0f}"),
+            pair(s0["saved_bytes"], s1["saved_bytes"], lambda b: f"{b / 2 ** 30:.2f}"),
+            pair(s0["saved_fp32_wide_bytes"], s1["saved_fp32_wide_bytes"],
+                 lambda b: f"{b / 2 ** 30:.2f}")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS = {"include": _include, "bench": _bench, "placement": _placement,
-             "paper-table": _paper_table}
+             "paper-table": _paper_table, "ledger": _ledger, "ledger-change": _ledger_change}
 
 
 def render_block(root: Path, spec: str) -> str:

@@ -177,16 +177,17 @@ def test_overlap_bottleneck_grad_reduce_is_settable():
 
 
 def test_checking_a_configuration_imports_neither_torch_nor_megatron():
-    """``--check`` (submit.sh on a login node) and the perf model load and validate a
-    configuration without torch or megatron-core, which take seconds to import."""
+    """``--check`` (submit.sh on a login node) loads and validates a configuration without
+    torch or megatron-core, which take seconds to import; so does the perf model's refusal of
+    a layout. (Its predictions measure the layer with the op ledger, which needs both.)"""
     code = ("import sys\n"
             "from megatron_boost.cli import perf_model, pretrain\n"
             "assert pretrain.main(['--check', '--world-size', '2', '--config',\n"
             "                      'configs/debug.yaml', 'parallel.tp=2']) == 0\n"
             "assert pretrain.main(['--check', '--config', 'configs/debug.yaml',\n"
             "                      'model.hidden_size=3']) == 2\n"
-            "assert perf_model.main(['--config', 'configs/debug.yaml', '--tp', '2',\n"
-            "                         '--modes', 'boost']) == 0\n"
+            "assert perf_model.main(['--config', 'configs/debug.yaml', '--tp', '3',\n"
+            "                         '--modes', 'boost']) == 2\n"
             "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
@@ -253,7 +254,7 @@ def test_sequence_parallel_is_refused_where_it_cannot_apply(overrides, needle):
 
 
 FUSIONS = ("gradient_accumulation_fusion", "apply_rope_fusion", "masked_softmax_fusion",
-           "persist_layer_norm")
+           "persist_layer_norm", "bias_activation_fusion")
 
 
 @pytest.mark.fast
@@ -281,6 +282,39 @@ def test_fusions_resolve_per_device_and_kernels(device, backend, kernels, on):
     assert "RMSNorm" in got["persist_layer_norm"][1]
     text = format_fusions([(n, s, w) for n, (s, w) in got.items()])
     assert all(n in text for n in FUSIONS)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("device,mode,asked,on", [
+    ("cuda", "full", None, True), ("cpu", "full", None, False), ("cpu", "full", True, True),
+    ("cuda", "full", False, False), ("cuda", "boost", None, False),
+    ("cuda", "naive", None, False)])
+def test_full_ranks_fused_swiglu_resolves_by_device(device, mode, asked, on):
+    """megatron's fused SwiGLU (bias_activation_fusion): on for full rank on CUDA, as megatron
+    users run it; off on the CPU unless asked; never for the bottleneck modes, whose MLP
+    product is their own fused region. The resolved value reaches megatron's config."""
+    from megatron_boost.runtime.backends import FusedKernels, resolve_fusions
+
+    state, why = resolve_fusions(device, "sdpa", FusedKernels(), mode=mode,
+                                 bias_activation_fusion=asked)["bias_activation_fusion"]
+    assert state is on and why
+    cfg = load_run_config(None, [f"parallel.mode={mode}"])
+    run = dataclasses.replace(resolve_run(cfg, "cpu"), fusions=(
+        ("bias_activation_fusion", on, why),))
+    assert to_transformer_config(run).bias_activation_fusion is on
+
+
+@pytest.mark.fast
+def test_fused_swiglu_and_pipelined_all_reduce_belong_to_their_modes():
+    with pytest.raises(ValueError, match="model.bias_activation_fusion .true. applies to full"):
+        load_run_config(None, ["parallel.mode=boost", "model.bias_activation_fusion=true"])
+    with pytest.raises(ValueError, match=r"parallel.bottleneck_overlap_chunks \(2\) needs "
+                                         r"parallel.mode=boost"):
+        load_run_config(None, ["parallel.mode=naive", "parallel.bottleneck_overlap_chunks=2"])
+    with pytest.raises(ValueError, match=r"parallel.bottleneck_overlap_chunks \(0\) must be "
+                                         r"positive"):
+        load_run_config(None, ["parallel.bottleneck_overlap_chunks=0"])
+    load_run_config(None, ["parallel.mode=full", "model.bias_activation_fusion=true"])
 
 
 @pytest.mark.fast

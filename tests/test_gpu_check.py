@@ -263,7 +263,10 @@ def test_cpu_dry_run_every_stage_passes(script_runs):
     assert "constant per iteration" in "".join(_stage_rows(out, 4))
     # stage 5 ran the override's 3 steps, not cola-350m.yaml's token budget
     assert sum("3 steps (1 warm-up)" in r for r in _stage_rows(out, 5)) == 2
-    assert len(_stage_rows(out, 7)) == 1 + 2 * 3  # (debug shape at tp 1, 2) x 3 modes
+    # (debug shape at tp 1, 2) x 3 modes, each its timing row and its op ledger's row
+    assert len(_stage_rows(out, 7)) == 1 + 2 * 3 * 2
+    ledger_rows = [r for r in _stage_rows(out, 7) if "op ledger:" in r]
+    assert len(ledger_rows) == 6 and all("profiler: n/a (no GPU)" in r for r in ledger_rows)
     assert "gpu_check: 5/5 stages ok" in out and "gpu_check: 4/4 stages ok" in out
     # the per-stage times, in the run order (stages 0-3 and the TP stage first)
     times = [t for line in re.findall(r"^stage times: (.*)$", out, re.M)

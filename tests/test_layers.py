@@ -35,7 +35,7 @@ TPS = (1, 2, 4)
 FP32_TOL, BF16_TOL = 1e-5, 3e-2
 
 
-def make_config(tp, mode, act="silu", groups=HEADS, dtype=torch.float32):
+def make_config(tp, mode, act="silu", groups=HEADS, dtype=torch.float32, chunks=1):
     from megatron_boost.config.transformer import BoostTransformerConfig
 
     return BoostTransformerConfig(
@@ -43,7 +43,8 @@ def make_config(tp, mode, act="silu", groups=HEADS, dtype=torch.float32):
         ffn_hidden_size=FFN, kv_channels=HN, tensor_model_parallel_size=tp,
         tp_mode=mode, attn_rank=R_ATTN, mlp_rank=R_MLP, bottleneck_activation=act,
         add_bias_linear=False, use_cpu_initialization=True, params_dtype=dtype,
-        layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0)
+        layernorm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0,
+        bottleneck_overlap_chunks=chunks)
 
 
 def build_layer(kind, mode, config, group):
@@ -66,33 +67,22 @@ def build_layer(kind, mode, config, group):
                               tp_comm_buffer_name=kind)
 
 
-def reference(kind, act, weights, x, groups):
-    """Plain PyTorch B·σ(A·x), with RMSNorm(x) first where the boost layer fuses it. Returns
-    the output in megatron-core's global layout."""
+def reference(kind, act, weights, x):
+    """Plain PyTorch B·σ(A·x), with RMSNorm(x) first where the boost layer fuses it: each
+    projection's global output [s, b, d_out_p], in the group's order."""
     sigma = {"silu": F.silu, "identity": lambda t: t}[act]
     if "layer_norm_weight" in weights:
         x = F.rms_norm(x, (x.shape[-1],), weights["layer_norm_weight"], eps=1e-5)
-    names = {"qkv_mha": "qkv", "qkv_gqa": "qkv", "fc1": ("gate", "up"), "proj": ("o",),
-             "fc2": ("down",)}[kind]
-    names = ("q", "k", "v") if names == "qkv" else names
-    outs = [sigma(x @ weights[f"A_{n}"].t()) @ weights[f"B_{n}"].t() for n in names]
-    if kind.startswith("qkv"):
-        q, k, v = outs
-        q = q.view(S, B, groups, -1)
-        k, v = k.view(S, B, groups, HN), v.view(S, B, groups, HN)
-        return torch.cat([q, k, v], -1).view(S, B, -1)  # [s, b, ng·(np/ng + 2)·hn]
-    return torch.cat(outs, -1)
+    names = {"qkv_mha": ("q", "k", "v"), "qkv_gqa": ("q", "k", "v"), "fc1": ("gate", "up"),
+             "proj": ("o",), "fc2": ("down",)}[kind]
+    return [sigma(x @ weights[f"A_{n}"].t()) @ weights[f"B_{n}"].t() for n in names]
 
 
-def local_view(kind, mode, tensor, t, k, groups, is_output):
-    """The slice of a global input/output tensor that rank k of t holds."""
+def local_view(mode, tensor, t, k):
+    """The slice of a global input or output tensor that rank k of t holds: boost shards the
+    last dimension (hidden, heads, ffn), naive replicates."""
     if mode == "naive" or t == 1:
         return tensor
-    if is_output and kind.startswith("qkv"):
-        return tensor.view(S, B, groups, -1).chunk(t, dim=2)[k].reshape(S, B, -1)
-    if is_output and kind == "fc1":
-        gate, up = tensor.chunk(2, dim=-1)
-        return torch.cat([gate.chunk(t, -1)[k], up.chunk(t, -1)[k]], -1)
     return tensor.chunk(t, dim=-1)[k]
 
 
@@ -101,12 +91,13 @@ def rel_err(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=False):
+def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=False,
+             chunks=1):
     from megatron_boost.analysis.collectives import record_collectives
 
     groups = 4 if kind == "qkv_gqa" else HEADS
     torch.manual_seed(1234)
-    layer = build_layer(kind, mode, make_config(t, mode, act, groups, dtype), group)
+    layer = build_layer(kind, mode, make_config(t, mode, act, groups, dtype, chunks), group)
     g = torch.Generator().manual_seed(42)
     weights = {n: torch.randn(shape, generator=g) * 0.3
                for n, shape in global_shapes(layer).items()}
@@ -116,9 +107,9 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
     x = torch.randn(S, B, in_size, generator=g)
     x_ref = x.clone().requires_grad_(True)
     ref_w = {n: w.clone().requires_grad_(True) for n, w in weights.items()}
-    y_ref = reference(kind, act, ref_w, x_ref, groups)
-    grad_out = torch.randn(y_ref.shape, generator=g)
-    (y_ref * grad_out).sum().backward()
+    y_ref = reference(kind, act, ref_w, x_ref)
+    grad_out = [torch.randn(y.shape, generator=g) for y in y_ref]
+    sum((y * go).sum() for y, go in zip(y_ref, grad_out)).backward()
 
     if wrong_shard:
         # Negative control: the A factors get the NEXT rank's slice (TP>1) or, at TP=1, their
@@ -132,14 +123,15 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
                                             if t > 1 else w.flip(0))
     else:
         load_global_weights(layer, {n: w.to(dtype) for n, w in weights.items()})
-    x_loc = local_view(kind, mode, x, t, k, groups, False).to(dtype).requires_grad_(True)
+    x_loc = local_view(mode, x, t, k).to(dtype).requires_grad_(True)
     with record_collectives(group) as log:
         y, bias = layer(x_loc)
-        g_loc = local_view(kind, mode, grad_out, t, k, groups, True).to(dtype)
-        (y * g_loc).sum().backward()
-    errs = {"bias_is_none": bias is None,
-            "out": rel_err(y, local_view(kind, mode, y_ref, t, k, groups, True)),
-            "dx": rel_err(x_loc.grad, local_view(kind, mode, x_ref.grad, t, k, groups, False))}
+        ys = y if isinstance(y, tuple) else (y,)  # a column group: one output per projection
+        g_loc = [local_view(mode, go, t, k).to(dtype) for go in grad_out]
+        sum((yp * gp).sum() for yp, gp in zip(ys, g_loc)).backward()
+    errs = {"bias_is_none": bias is None, "outputs": len(ys) == len(y_ref),
+            "out": max(rel_err(yp, local_view(mode, yr, t, k)) for yp, yr in zip(ys, y_ref)),
+            "dx": rel_err(x_loc.grad, local_view(mode, x_ref.grad, t, k))}
     for name in weights:
         errs[f"d{name}"] = rel_err(layer.local(name, grad=True),
                                    shard_of(layer, name, ref_w[name].grad))
@@ -165,6 +157,13 @@ def _all_cases(rank, world):
                                                             dtype=torch.bfloat16)
             out[(kind, mode, "silu", t, "wrong")] = run_case(kind, mode, "silu", t, group, k,
                                                              wrong_shard=True)
+        for kind in KINDS:  # boost's forward all-reduce pipelined over 3 sequence chunks
+            out[(kind, "boost", "silu", t, "chunks")] = run_case(kind, "boost", "silu", t,
+                                                                 group, k, chunks=3)
+    for t in TPS:  # bf16 with chunks: the fp32 statistic's own all-reduce beside them
+        group, k = groups[t]
+        out[("fc1", "boost", "silu", t, "bf16-chunks")] = run_case(
+            "fc1", "boost", "silu", t, group, k, dtype=torch.bfloat16, chunks=3)
     return out
 
 
@@ -180,9 +179,31 @@ FP32_CASES = list(itertools.product(KINDS, MODES, ACTS, TPS))
 def test_layer_matches_reference_fp32(results, kind, mode, act, tp):
     for rank, res in enumerate(results):
         errs = res[(kind, mode, act, tp, "fp32")]["errs"]
-        assert errs.pop("bias_is_none")
+        assert errs.pop("bias_is_none") and errs.pop("outputs")
         bad = {n: e for n, e in errs.items() if e > FP32_TOL}
         assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("kind,tp", list(itertools.product(KINDS, TPS)))
+def test_pipelined_all_reduce_matches_reference(results, kind, tp):
+    """parallel.bottleneck_overlap_chunks: the A GEMM and its all-reduce in three blocks of the
+    sequence give the one-block results (fp32 1e-5, bf16 3e-2 as above), with the same bytes
+    in three times the forward all-reduces."""
+    for rank, res in enumerate(results):
+        case = res[(kind, "boost", "silu", tp, "chunks")]
+        errs = dict(case["errs"])
+        assert errs.pop("bias_is_none") and errs.pop("outputs")
+        bad = {n: e for n, e in errs.items() if e > FP32_TOL}
+        assert not bad, f"rank {rank}: {bad}"
+        one = res[(kind, "boost", "silu", tp, "fp32")]["comm"]["fwd"]
+        assert case["comm"]["fwd"]["bytes"] == one["bytes"]
+        assert case["comm"]["fwd"]["count"] == 3 * one["count"]
+    if kind == "fc1":
+        for rank, res in enumerate(results):
+            errs = dict(res[("fc1", "boost", "silu", tp, "bf16-chunks")]["errs"])
+            assert errs.pop("bias_is_none") and errs.pop("outputs")
+            bad = {n: e for n, e in errs.items() if e > BF16_TOL}
+            assert not bad, f"rank {rank}: {bad}"
 
 
 @pytest.mark.parametrize("kind,mode,tp", list(itertools.product(("qkv_gqa", "fc1", "fc2"),
@@ -190,7 +211,7 @@ def test_layer_matches_reference_fp32(results, kind, mode, act, tp):
 def test_layer_matches_reference_bf16(results, kind, mode, tp):
     for rank, res in enumerate(results):
         errs = res[(kind, mode, "silu", tp, "bf16")]["errs"]
-        errs.pop("bias_is_none")
+        errs.pop("bias_is_none"), errs.pop("outputs")
         bad = {n: e for n, e in errs.items() if e > BF16_TOL}
         assert not bad, f"rank {rank}: {bad}"
 

@@ -43,10 +43,11 @@ def _grads(layer, x, checkpointed):
 
     layer.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    if checkpointed:
-        out = lowrank_checkpoint(lambda h: layer(h)[0], x)
-    else:
-        out = layer(x)[0]
+    def run(h):  # gate ⊙ up: one tensor out, as the MLP makes of the group's two outputs
+        gate, up = layer(h)[0]
+        return gate * up
+
+    out = lowrank_checkpoint(run, x) if checkpointed else run(x)
     out.float().pow(2).sum().backward()
     return [x.grad] + [p.grad for p in layer.parameters()]
 
@@ -65,8 +66,8 @@ def _worker(rank, world):
     with record_collectives(group) as log:
         with torch.autograd.graph.saved_tensors_hooks(
                 lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
-            out = layer(x)[0]  # the forward's saved tensors
-        out.sum().backward()
+            gate, up = layer(x)[0]  # the forward's saved tensors
+        (gate.sum() + up.sum()).backward()
     fwd = [(r.width, r.nbytes // (r.numel or 1)) for r in log.select("fwd")]
     plain, checkpointed = _grads(layer, x, False), _grads(layer, x, True)
     return {"fwd": fwd, "fp32_copies_of_x": saved.count((torch.float32, tuple(x.shape))),
@@ -75,16 +76,16 @@ def _worker(rank, world):
 
 
 class _Events(torch.overrides.TorchFunctionMode):
-    """Logs torch.matmul calls and (through a wrapper installed for the block) all-reduces,
-    in call order."""
+    """Logs the GEMM calls (torch.mm, torch.matmul, torch.bmm) and (through a wrapper installed
+    for the block) all-reduces, in call order."""
 
     def __init__(self):
         super().__init__()
         self.events = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.matmul:
-            self.events.append(("matmul", tuple(args[1].shape)))
+        if func in (torch.mm, torch.matmul, torch.bmm):
+            self.events.append(("gemm", tuple(args[1].shape)))
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -124,5 +125,5 @@ def test_bf16_statistic_all_reduce_starts_before_the_a_gemm(res):
     events = res["forward_events"]
     # the statistic's fp32 all-reduce in flight, then the A GEMM ([2r, d/t] fused A factors),
     # then the products' (synchronous) all-reduce; the B GEMMs follow
-    assert events[:3] == [("all_reduce", "torch.float32", True), ("matmul", (D // 2, 2 * RANK)),
+    assert events[:3] == [("all_reduce", "torch.float32", True), ("gemm", (D // 2, 2 * RANK)),
                           ("all_reduce", "torch.bfloat16", False)], events

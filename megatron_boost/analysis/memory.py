@@ -9,11 +9,23 @@ activation recompute (which runs inside backward) is not.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Optional
 
 import torch
 
-__all__ = ["SavedActivations"]
+__all__ = ["SavedActivations", "SavedStorage"]
+
+
+@dataclass
+class SavedStorage:
+    """One storage autograd keeps: its whole size, and the first tensor saved from it."""
+
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple
+    label: str = ""
+    """What ``label`` (the op ledger's module scope) said when it was first saved."""
 
 
 class SavedActivations:
@@ -25,8 +37,8 @@ class SavedActivations:
             loss = model(batch)           # one micro-batch forward, grad enabled
         acc.bytes, acc.count
 
-    Every saved tensor is keyed by its storage (data pointer); a storage is counted once, at its
-    full size. Storages of the tensors in ``exclude`` (parameters: their data, and any view of
+    Every saved tensor is keyed by its storage (the storage object, so tensors without data, the
+    op ledger's fake tensors, count too); a storage is counted once, at its full size. Storages of the tensors in ``exclude`` (parameters: their data, and any view of
     them such as ``weight.t()``) are not counted. Tensors packed while a backward pass runs
     (recompute re-forwards) are not counted. The pack hook returns the tensor itself, so the
     forward's memory behaviour is unchanged; the counted tensors all stay alive until their
@@ -35,16 +47,18 @@ class SavedActivations:
     addresses can be reused and would be counted once.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (),
+                 label: Optional[Callable[[], str]] = None):
         self._excluded = {self._key(t) for t in exclude}
-        self._seen: Dict[int, int] = {}
+        self._label = label
+        self.storages: Dict[int, SavedStorage] = {}
         self.packed = 0
         self.excluded_hits = 0
         self._ctx = None
 
     @staticmethod
     def _key(t: torch.Tensor) -> int:
-        return t.untyped_storage().data_ptr()
+        return t.untyped_storage()._cdata
 
     def _pack(self, t: torch.Tensor):
         if torch._C._current_graph_task_id() == -1:  # not inside a backward pass
@@ -56,8 +70,9 @@ class SavedActivations:
                 key, nbytes = id(t), t.numel() * t.element_size()
             if key in self._excluded:
                 self.excluded_hits += 1
-            elif key not in self._seen:
-                self._seen[key] = nbytes
+            elif key not in self.storages:
+                self.storages[key] = SavedStorage(nbytes, t.dtype, tuple(t.shape),
+                                                  self._label() if self._label else "")
         return t
 
     @staticmethod
@@ -66,11 +81,11 @@ class SavedActivations:
 
     @property
     def bytes(self) -> int:
-        return sum(self._seen.values())
+        return sum(s.nbytes for s in self.storages.values())
 
     @property
     def count(self) -> int:
-        return len(self._seen)
+        return len(self.storages)
 
     def __enter__(self) -> "SavedActivations":
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

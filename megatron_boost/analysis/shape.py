@@ -93,6 +93,10 @@ class ModelShape:
     attn_rank: Optional[int] = None
     mlp_rank: Optional[int] = None
     tied_embeddings: bool = False
+    bottleneck_activation: str = "silu"
+    """σ of the bottlenecks (the op ledger builds the layer with it)."""
+    mlp_gate_activation: bool = False
+    """SiLU on the MLP's gate branch (CoLA's 60M / 130M)."""
 
     @classmethod
     def from_config(cls, cfg: Any, name: str = "config") -> "ModelShape":
@@ -118,7 +122,9 @@ class ModelShape:
                    attn_rank=None if ra is None else int(ra),
                    mlp_rank=None if rm is None else int(rm),
                    tied_embeddings=bool(getattr(m, "share_embeddings_and_output_weights",
-                                                False)))
+                                                False)),
+                   bottleneck_activation=str(getattr(m, "bottleneck_activation", "silu")),
+                   mlp_gate_activation=bool(getattr(m, "mlp_gate_activation", False)))
 
     @property
     def g(self) -> int:

@@ -3,8 +3,8 @@ bottleneck rank and TP divisibility, written once for config validation, the lay
 (``megatron_boost/config/transformer.py``) and the perf model.
 
 Plain Python on purpose: loading and checking a configuration (``pretrain_lowrank.py --check``
-on a login node, ``scripts/slurm/submit.sh``, the perf model's CLI) imports neither torch nor
-megatron-core, which take seconds to import.
+on a login node, ``scripts/slurm/submit.sh``, the perf model's refusal of a layout) imports
+neither torch nor megatron-core, which take seconds to import.
 """
 
 from __future__ import annotations

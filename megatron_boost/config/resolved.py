@@ -151,7 +151,8 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
                                                              cfg.parallel.sequence_parallel)
     if kernels is None:
         kernels = fused_kernels() if device == "cuda" else FusedKernels()
-    fusions = resolve_fusions(device, backend, kernels)
+    fusions = resolve_fusions(device, backend, kernels, mode=cfg.parallel.mode,
+                              bias_activation_fusion=cfg.model.bias_activation_fusion)
     if process_groups is None:
         from megatron.core import parallel_state
 
@@ -219,9 +220,9 @@ def to_transformer_config(run: ResolvedRun, *,
         init_method_std=m.init_method_std, layernorm_epsilon=m.norm_epsilon,
         normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        # no biases: nothing for the bias fusions to fuse (dropout, when on, runs unfused)
+        # no biases: nothing for the bias-dropout fusion to fuse (dropout, when on, runs
+        # unfused); bias_activation_fusion is megatron's fused SwiGLU (resolve_fusions)
         hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
-        bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
@@ -234,6 +235,7 @@ def to_transformer_config(run: ResolvedRun, *,
         batch_p2p_comm=not par.vpp,
         attention_backend=run.attention_backend,
         overlap_bottleneck_grad_reduce=par.overlap_bottleneck_grad_reduce,
+        bottleneck_overlap_chunks=par.bottleneck_overlap_chunks,
         share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
         perform_initialization=perform_initialization,
     )

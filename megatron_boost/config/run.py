@@ -92,6 +92,12 @@ class ModelConfig:
     attention_dropout: float = 0.0
     """Dropout probability on the attention probabilities (megatron's field of that name;
     every attention backend applies it); in [0, 1), 0 for none. Training mode only."""
+    bias_activation_fusion: Optional[bool] = None
+    """Full rank: megatron's fused SwiGLU (its field of that name; megatron's jit_fuser,
+    torch.compile, makes it one kernel forward and one backward). null: on for CUDA runs, off
+    on the CPU (there the fuser compiles C++ in every process); true compiles it on the CPU
+    too. naive and boost refuse true: their MLP product is a fused region of their own,
+    compiled on CUDA always (docs/design.md §17)."""
 
     def resolved_ranks(self) -> tuple:
         """(attn_rank, mlp_rank): the given ranks, else the default rank of rank_ratio."""
@@ -129,6 +135,11 @@ class ParallelConfig:
     dz of the B factors; naive: dx of the A factors) asynchronously while the weight-gradient
     GEMMs proceed (docs/design.md §7); false runs them one after the other. Gradients are
     bitwise identical either way."""
+    bottleneck_overlap_chunks: int = 1
+    """boost: split each bottleneck group's forward into this many chunks of the sequence, so
+    that the all-reduce of one chunk's products runs while the next chunk's A GEMM computes
+    (docs/design.md §7); 1 issues one GEMM and one all-reduce. The same results either way;
+    the all-reduces per layer multiply by it, their bytes do not. naive and full refuse > 1."""
     timeout_minutes: float = 30.0
     """Process-group timeout: a collective that waits longer (a rank died or stopped
     responding) ends the job with an error naming the unresponsive rank. Fractions allowed

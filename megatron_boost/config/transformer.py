@@ -21,13 +21,32 @@ from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_l
 __all__ = [
     "BoostTransformerConfig",
     "BOTTLENECK_ACTIVATIONS",
+    "BOTTLENECK_ACTIVATION_GRADS",
     "register_bottleneck_activation",
     "get_bottleneck_activation",
+    "get_bottleneck_activation_grad",
+    "is_identity",
 ]
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _identity_grad(dz: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return dz
+
+
+def _silu_grad(dz: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.silu_backward(dz, y)  # autograd's own kernel for F.silu
+
+
+def _gelu_grad(dz: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(dz, y)  # autograd's own kernel for F.gelu
+
+
+def _relu_grad(dz: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.threshold_backward(dz, y, 0)  # relu'(y) = [y > 0], as autograd's
 
 
 BOTTLENECK_ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -36,15 +55,37 @@ BOTTLENECK_ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "relu": F.relu,
 }
+#: σ'(y)·dz of each activation, as autograd computes it: the layers' fused regions
+#: (``parallel/online_rmsnorm.py``) recompute σ in backward instead of saving its output.
+BOTTLENECK_ACTIVATION_GRADS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "silu": _silu_grad, "identity": _identity_grad, "gelu": _gelu_grad, "relu": _relu_grad,
+}
 
 
-def register_bottleneck_activation(name: str, fn: Callable[[torch.Tensor], torch.Tensor]):
+def register_bottleneck_activation(name: str, fn: Callable[[torch.Tensor], torch.Tensor],
+                                   grad: Optional[Callable] = None):
     """Make ``fn`` (elementwise) available as ``bottleneck_activation: <name>``.
 
     The parallel layers apply the activation to replicated (boost) or rank-local slices (naive)
-    of the bottleneck, so any elementwise function is valid in every mode.
+    of the bottleneck, so any elementwise function is valid in every mode. ``grad(dz, y)``,
+    σ'(y)·dz, lets the layers' fused regions compute the backward in the same kernel (on CUDA);
+    without it, autograd differentiates ``fn`` there.
     """
     BOTTLENECK_ACTIVATIONS[name] = fn
+    BOTTLENECK_ACTIVATION_GRADS.pop(name, None)
+    if grad is not None:
+        BOTTLENECK_ACTIVATION_GRADS[name] = grad
+
+
+def get_bottleneck_activation_grad(name: str) -> Optional[Callable]:
+    """σ'(y)·dz of a registered activation, or None (autograd differentiates it)."""
+    get_bottleneck_activation(name)
+    return BOTTLENECK_ACTIVATION_GRADS.get(name)
+
+
+def is_identity(name: str) -> bool:
+    """Whether the activation is the identity (no kernel to run)."""
+    return get_bottleneck_activation(name) is _identity
 
 
 def get_bottleneck_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -85,6 +126,10 @@ class BoostTransformerConfig(TransformerConfig):
     """Overlap the backward all-reduce of each input gradient with the weight-gradient GEMMs
     (boost: dz of the B factors, Σr wide; naive: dx of the A factors, megatron's async
     column-parallel reduction). Gradients are identical either way."""
+
+    bottleneck_overlap_chunks: int = 1
+    """boost: chunks of the sequence whose A GEMM and products all-reduce pipeline in each
+    bottleneck group's forward (``parallel.bottleneck_overlap_chunks``); 1: one of each."""
 
     lowrank_recompute: bool = False
     """Low-rank activation checkpointing (BOOST): per layer keep only the hidden-sharded input,

@@ -32,6 +32,7 @@ _PRECISIONS = ("auto", "fp32", "bf16")
 _POSITIVE = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
              "model.num_attention_heads", "model.vocab_size", "model.seq_length",
              "model.rank_ratio", "parallel.tp", "parallel.pp", "parallel.timeout_minutes",
+             "parallel.bottleneck_overlap_chunks",
              "training.micro_batch_size", "training.global_batch_size",
              "training.max_skipped_steps", "model.norm_epsilon", "model.rotary_base",
              "optimizer.adam_eps")
@@ -279,6 +280,28 @@ def _check_modes(cfg) -> None:
                   "auto: bf16 on CUDA, fp32 on the CPU")
     _check_one_of("training.recompute", t.recompute, _RECOMPUTE,
                   "null recomputes nothing")
+    _check_full_rank_fusion(cfg)
+    _check_overlap_chunks(cfg)
+
+
+def _check_full_rank_fusion(cfg) -> None:
+    """model.bias_activation_fusion is megatron's MLP's: full rank only."""
+    mode = TPMode.parse(cfg.parallel.mode)
+    if cfg.model.bias_activation_fusion and mode is not TPMode.FULL:
+        raise ValueError(
+            f"model.bias_activation_fusion (true) applies to full rank (megatron's SwiGLU), "
+            f"and parallel.mode is {mode.value}: the bottleneck MLP's product is a fused region "
+            f"of its own, compiled on CUDA always; set model.bias_activation_fusion=null")
+
+
+def _check_overlap_chunks(cfg) -> None:
+    """parallel.bottleneck_overlap_chunks pipelines boost's forward all-reduces only."""
+    chunks, mode = cfg.parallel.bottleneck_overlap_chunks, TPMode.parse(cfg.parallel.mode)
+    if chunks > 1 and mode is not TPMode.BOOST:
+        raise ValueError(
+            f"parallel.bottleneck_overlap_chunks ({chunks}) needs parallel.mode=boost "
+            f"(parallel.mode is {mode.value}): it pipelines boost's bottleneck all-reduces; "
+            f"set it to 1")
 
 
 _OPTIMIZERS = ("adamw", "muon")

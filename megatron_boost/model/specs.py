@@ -9,6 +9,10 @@ decoder group of the naive mode.
 * boost: BoostLinearQKV / BoostLinearFC1 (fused online-RMSNorm, docs/design.md §3) and
          BoostLinearProj / BoostLinearFC2; IdentityOp for input_layernorm / pre_mlp_layernorm.
 
+In both bottleneck modes the attention and the MLP are ``BottleneckSelfAttention`` and
+``BottleneckMLP`` (``model/blocks.py``), which take q, k, v and gate, up as the groups return
+them.
+
 Core attention in every mode is ``config.attention_backend`` (model/attention.py: SDPAttention,
 megatron's DotProductAttention or TE's TEDotProductAttention). With ``te`` the full-rank model is
 megatron's own TE layer (``get_gpt_layer_with_transformer_engine_spec``), naive also takes TE's
@@ -29,10 +33,12 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_boost.compat import local_layer_spec, spec_submodules, te_layer_spec
+from megatron_boost.compat import (custom_mlp_slot, local_layer_spec, spec_submodules,
+                                   te_layer_spec, with_module_class)
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.attention import core_attention_class
+from megatron_boost.model.blocks import BottleneckMLP, BottleneckSelfAttention
 from megatron_boost.parallel.layers import (
     BoostLinearFC1,
     BoostLinearFC2,
@@ -114,6 +120,7 @@ def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:
             spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = te_norm()
     else:
         _boost_slots(spec)  # boost's norms are fused into its bottlenecks: TE attention only
+    _bottleneck_blocks(spec, tp_group)  # last: the slots above are edited through megatron's
     return spec
 
 
@@ -153,6 +160,15 @@ def _attention_and_mlp_slots(spec: ModuleSpec):
     from megatron-core 0.18 on: read through compat)."""
     sub = spec.submodules
     return spec_submodules(sub.self_attention), spec_submodules(sub.mlp)
+
+
+def _bottleneck_blocks(spec: ModuleSpec, tp_group) -> None:
+    """Attention and MLP that take the bottleneck groups' per-projection outputs
+    (``model/blocks.py``) in place of megatron's fused qkv / fc1 layouts. The MLP gets the TP
+    group megatron gives its own MLP (naive's linears take theirs from the spec)."""
+    sub = spec.submodules
+    sub.self_attention = with_module_class(sub.self_attention, BottleneckSelfAttention)
+    sub.mlp = custom_mlp_slot(sub.mlp, BottleneckMLP, tp_group)
 
 
 def _naive_slots(spec: ModuleSpec, tp_group) -> None:

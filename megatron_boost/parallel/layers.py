@@ -13,7 +13,8 @@ boost (BOOST's bottleneck-aware TP, docs/design.md §2):
     layer_norm_weight: [d_in/t] (fused online-RMSNorm, column layers only)
     One all-reduce of width Σr (+1 with the norm in fp32) forward, one of width Σr backward;
     with bf16 products the norm's fp32 statistic has an all-reduce of its own, started before
-    the A GEMM (``parallel/online_rmsnorm.py``).
+    the A GEMM. The norm's arithmetic and σ run as fused regions (``parallel/online_rmsnorm.py``),
+    the GEMMs and collectives in the autograd Functions of ``parallel/mappings.py``.
 
 naive ("vanilla TP", Megatron's MLP pattern applied to each (A, B) pair):
     A_<p>: [r_p/t, d_in]  sharded along r (dim 0; column-parallel, replicated input)
@@ -23,7 +24,9 @@ naive ("vanilla TP", Megatron's MLP pattern applied to each (A, B) pair):
 
 The four classes at the bottom obey megatron-core's constructor contract for the linear slots
 of a layer spec (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) and return
-``(output, None)``: these layers have no bias.
+``(output, None)``: these layers have no bias. A column slot's output is the tuple of its
+projections' outputs ((q, k, v); (gate, up)), which ``BottleneckSelfAttention`` and
+``BottleneckMLP`` (``model/blocks.py``) take in place of megatron's fused layouts.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
@@ -41,20 +45,17 @@ from megatron.core.utils import get_pg_rank, get_pg_size, make_tp_sharded_tensor
 
 from megatron_boost.compat import linear_with_dgrad_allreduce
 from megatron_boost.config.modes import TPMode, check_divisible_by_tp
-from megatron_boost.config.transformer import BoostTransformerConfig, get_bottleneck_activation
-from megatron_boost.parallel.online_rmsnorm import (
-    inverse_rms,
-    partial_sum_of_squares,
-    start_sum_of_squares,
-    statistic_rides_with_products,
-)
+from megatron_boost.config.transformer import (BoostTransformerConfig, get_bottleneck_activation,
+                                               get_bottleneck_activation_grad, is_identity)
 from megatron_boost.parallel.mappings import (
+    BottleneckActivation,
     bottleneck_up,
     copy_to_tensor_model_parallel_region,
     reduce_forward,
     reduce_products,
     split_project,
 )
+from megatron_boost.parallel.online_rmsnorm import autograd_activation_grad, fold_norm_weight
 from megatron_boost.parallel.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
 
 __all__ = [
@@ -145,26 +146,26 @@ class BottleneckGroup(MegatronModule):
         self._check_divisible()
         device = (torch.device("cpu") if config.use_cpu_initialization
                   or not torch.cuda.is_available() else torch.cuda.current_device())
-        # Local rows of each projection's A factor in the grouped A (boost shards d_in, so
-        # its rows are whole; naive shards the rank).
+        # Local rows of each projection's factor in the grouped A and the grouped B: boost
+        # shards d_in and d_out, so A's rows (r) are whole and B's (d_out) split; naive shards
+        # the rank, so A's rows are split and B's whole.
         self._a_rows = [p.rank if self._a_axis == 1 else p.rank // self.tp_size
                         for p in self.projections]
-        a_shards = []
+        self._b_rows = [p.out_size // self.tp_size if self._b_axis == 0 else p.out_size
+                        for p in self.projections]
+        a_shards, b_shards = [], []
         for p in self.projections:  # drawn in the order A_p, B_p (same seed, same weights)
             a_shards.append(self._initial_shard(p.rank, input_size, self._a_axis,
                                                 config.init_method, p, device))
-            b = torch.nn.Parameter(self._initial_shard(
-                p.out_size, p.rank, self._b_axis, config.output_layer_init_method, p, device))
-            set_tensor_model_parallel_attributes(b, is_parallel=True, dim=self._b_axis,
-                                                 stride=1)
-            self.register_parameter(f"B_{p.name}", b)
-        # The group's A factors stored as ONE parameter [Σ local r, local d_in], so the group's
-        # GEMM reads it as it is, with no concatenation per forward (docs/design.md §4).
-        # Checkpoints still hold A_<p> (sharded_state_dict); factors("A") are row views.
-        self.A = torch.nn.Parameter(torch.cat(a_shards, dim=0) if len(a_shards) > 1
-                                    else a_shards[0])
-        set_tensor_model_parallel_attributes(self.A, is_parallel=True, dim=self._a_axis,
-                                             stride=1)
+            b_shards.append(self._initial_shard(p.out_size, p.rank, self._b_axis,
+                                                config.output_layer_init_method, p, device))
+        # Each factor of the group stored as ONE parameter, the projections' factors stacked by
+        # rows: A [Σ local r, local d_in], B [Σ local d_out, local r] (a group shares one
+        # rank). The A GEMM reads A as it is; the B GEMMs read row views of B, one batched
+        # GEMM when the projections have equal shapes (docs/design.md §4). Checkpoints still
+        # hold A_<p>, B_<p> (sharded_state_dict); factors("A"), factors("B") are the row views.
+        self.A = self._grouped_parameter(a_shards, self._a_axis)
+        self.B = self._grouped_parameter(b_shards, self._b_axis)
         if fuse_norm:
             # γ of the fused RMSNorm, sharded like the hidden stream it scales.
             gamma = torch.ones(input_size // self.tp_size, device=device,
@@ -173,6 +174,15 @@ class BottleneckGroup(MegatronModule):
             set_tensor_model_parallel_attributes(self.layer_norm_weight, True, 0, 1)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _grouped_parameter(shards: List[torch.Tensor], axis: int) -> torch.nn.Parameter:
+        param = torch.nn.Parameter(torch.cat(shards, dim=0) if len(shards) > 1 else shards[0])
+        set_tensor_model_parallel_attributes(param, is_parallel=True, dim=axis, stride=1)
+        return param
+
+    def _rows(self, which: str) -> List[int]:
+        return self._a_rows if which == "A" else self._b_rows
 
     def _initial_shard(self, rows: int, cols: int, axis: int, init, p: Projection,
                        device) -> torch.Tensor:
@@ -207,23 +217,23 @@ class BottleneckGroup(MegatronModule):
                                               for what, size in sizes[dim]], self.mode)
 
     def factors(self, which: str) -> List[torch.Tensor]:
-        """The local factors of the projections, in order: B_<p> parameters, or for "A" the
-        row views of the grouped A ([local r_p, local d_in] each)."""
-        if which == "A":
-            return list(self.A.split(self._a_rows, dim=0))
-        return [getattr(self, f"{which}_{p.name}") for p in self.projections]
+        """The local factors of the projections, in order: the row views of the grouped A
+        ([local r_p, local d_in] each) or B ([local d_out_p, local r_p])."""
+        return list(getattr(self, which).split(self._rows(which), dim=0))
 
     def local(self, name: str, grad: bool = False) -> Optional[torch.Tensor]:
         """This rank's tensor of a global parameter name (A_<p>, B_<p>, layer_norm_weight),
-        or its gradient: A_<p> is its rows of the grouped A."""
-        if not name.startswith("A_"):
+        or its gradient: A_<p>, B_<p> are their rows of the grouped factor."""
+        which = name[0]
+        if not name.startswith(("A_", "B_")):
             param = getattr(self, name)
             return param.grad if grad else param
-        source = self.A.grad if grad else self.A
+        grouped = getattr(self, which)
+        source = grouped.grad if grad else grouped
         if source is None:
             return None
-        i = [f"A_{p.name}" for p in self.projections].index(name)
-        return source.split(self._a_rows, dim=0)[i]
+        i = [f"{which}_{p.name}" for p in self.projections].index(name)
+        return source.split(self._rows(which), dim=0)[i]
 
     def axis_of(self, name: str) -> int:
         """The axis along which a global parameter (A_<p>, B_<p>, layer_norm_weight) is
@@ -232,37 +242,40 @@ class BottleneckGroup(MegatronModule):
             return self._a_axis
         return self._b_axis if name.startswith("B_") else 0  # γ: sharded like the hidden
 
-    def combine(self, outs: List[torch.Tensor]) -> torch.Tensor:
-        """Lay out the per-projection outputs as the consumer expects (default: concat)."""
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    def outputs(self, outs: Sequence[torch.Tensor]):
+        """The group's result: the one projection's output, or the tuple of every projection's
+        output (q, k, v; gate, up), which the model's attention and MLP take as they are
+        (``model/blocks.py``), without laying them out in one tensor."""
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     # -- checkpointing ---------------------------------------------------------------------
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Global tensors named A_<p>, B_<p> (and layer_norm_weight), with global shapes that do
-        not depend on the mode or the TP size; only the sharding axis differs. The grouped A
-        is saved as its A_<p> pieces through a ShardedTensorFactory, as megatron saves its
-        fused gated fc1 (split when saving, concatenated when loading)."""
+        not depend on the mode or the TP size; only the sharding axis differs. Each grouped
+        factor is saved as its per-projection pieces through a ShardedTensorFactory, as
+        megatron saves its fused gated fc1 (split when saving, concatenated when loading)."""
         state = self.state_dict(prefix="", keep_vars=True)
-        grouped_a = state.pop("A")
-        axis_map = {f"B_{p.name}": self._b_axis for p in self.projections}
-        if self.fuse_norm:
-            axis_map["layer_norm_weight"] = 0
+        grouped = {which: state.pop(which) for which in ("A", "B")}
+        axis_map = {"layer_norm_weight": 0} if self.fuse_norm else {}
         dp_cp_group = (metadata or {}).get("dp_cp_group")
         if dp_cp_group is None:
             dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         sd = make_sharded_tensors_for_checkpoint(
             state, prefix, axis_map, sharded_offsets, tp_group=self.tp_group,
             dp_cp_group=dp_cp_group)
-        sd[f"{prefix}A"] = self._grouped_a_factory(f"{prefix}A", grouped_a, sharded_offsets,
-                                                   dp_cp_group)
+        for which, tensor in grouped.items():
+            sd[f"{prefix}{which}"] = self._grouped_factory(which, f"{prefix}{which}", tensor,
+                                                           sharded_offsets, dp_cp_group)
         return sd
 
-    def _grouped_a_factory(self, key: str, grouped_a: torch.Tensor, sharded_offsets,
-                           dp_cp_group) -> ShardedTensorFactory:
-        """The grouped A [Σ local r, local d_in] as the ShardedTensors ``<key>_<p>`` (A_q,
-        A_k, ...; the optimizer's state prefixes ``key``), each sharded along the A axis."""
-        names, rows, axis = [p.name for p in self.projections], self._a_rows, self._a_axis
+    def _grouped_factory(self, which: str, key: str, grouped: torch.Tensor, sharded_offsets,
+                         dp_cp_group) -> ShardedTensorFactory:
+        """A grouped factor ([Σ rows, cols]) as the ShardedTensors ``<key>_<p>`` (A_q, A_k,
+        ...; B_q, ...; the optimizer's state prefixes ``key``), each sharded along the
+        factor's axis."""
+        names, rows = [p.name for p in self.projections], self._rows(which)
+        axis = self._a_axis if which == "A" else self._b_axis
 
         def sharded(key_p, tensor, replica_id=None):
             return make_tp_sharded_tensor_for_checkpoint(
@@ -272,64 +285,72 @@ class BottleneckGroup(MegatronModule):
         @torch.no_grad()
         def build(key, t, replica_id, flattened_range):
             if flattened_range is not None:
-                raise NotImplementedError("flattened ranges of the grouped A factors")
+                raise NotImplementedError("flattened ranges of the grouped factors")
             return [sharded(f"{key}_{name}", piece, replica_id)
                     for name, piece in zip(names, t.split(rows, dim=0))]
 
         def merge(pieces):
             with torch.no_grad():
-                return torch.cat(pieces, dim=0)  # [Σ local r, local d_in]
+                return torch.cat(pieces, dim=0)  # [Σ local rows, local cols]
 
-        return ShardedTensorFactory(key, grouped_a, build, merge,
-                                    replica_id=sharded(key, grouped_a).replica_id)
+        return ShardedTensorFactory(key, grouped, build, merge,
+                                    replica_id=sharded(key, grouped).replica_id)
 
 
 class BoostBottleneckGroup(BottleneckGroup):
     """boost: sharded input -> partial A products -> all-reduce(Σr [+1]) -> σ -> sharded B.
 
     Input  x: [s, b, d_in/t] (hidden-, head- or ffn-sharded).
-    Output:   [s, b, Σ d_out/t] (each projection's local output rows, then ``combine``).
+    Output: each projection's local rows [s, b, d_out_p/t] (:meth:`outputs`).
 
     With ``fuse_norm`` the layer computes B·σ(A·RMSNorm(x)) exactly, although no rank holds the
-    whole of x: RMSNorm only rescales each token, so A·(γ⊙x/rms) = (A·(γ⊙x))/rms. Each rank
-    adds its partial sum of squares Σ x_k² as one extra column of the SAME all-reduce
-    (online-RMSNorm, BOOST section 4; in bf16 its fp32 all-reduce of its own runs during the
-    A GEMM), and 1/rms is applied after it.
+    whole of x: RMSNorm only rescales each token, so A·(γ⊙x/rms) = ((A⊙γ)·x)/rms. Each rank
+    adds its partial sum of squares Σ x_k² to the SAME all-reduce (online-RMSNorm, BOOST
+    section 4; in bf16 its fp32 all-reduce of its own runs during the A GEMM), and 1/rms is
+    applied after it, fused with σ (docs/design.md §3). At t = 1 there is nothing to gather:
+    the norm is a plain fused RMSNorm in front of the GEMM.
     """
 
     mode = TPMode.BOOST
+    batched_up = False
+    """One batched GEMM for the B factors (equal shapes): only where the consumer keeps every
+    output, since the outputs share one buffer (``bottleneck_up``)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ranks = [p.rank for p in self.projections]
-        # [s, b, Σr] and the fp32 [s, b, 1] sum of squares (None without the fused norm),
-        # complete on every rank
-        total, sumsq = self._reduced_products(x)
-        if self.fuse_norm:
-            inv_rms = inverse_rms(sumsq, self.input_size, self.eps)  # fp32 [s, b, 1]
-            total = (total.float() * inv_rms).to(total.dtype)
-        # B factors on the replicated bottleneck; bwd: AR(Σr) of dz, overlapped with dB.
-        outs = bottleneck_up(self.activation(total), self.factors("B"), ranks, self.tp_group,
-                             self.config.overlap_bottleneck_grad_reduce)
-        return self.combine(outs)
+    def __init__(self, config: BoostTransformerConfig, input_size: int,
+                 projections: Sequence[Projection], tp_group):
+        super().__init__(config, input_size, projections, tp_group)
+        name = config.bottleneck_activation
+        act_grad = get_bottleneck_activation_grad(name)
+        self._activation = BottleneckActivation(
+            act=self.activation,
+            act_grad=act_grad or autograd_activation_grad(self.activation),
+            identity=is_identity(name), hidden_size=input_size, eps=self.eps)
+
+    def forward(self, x: torch.Tensor):
+        # [s, b, Σr] and the fp32 [s, b, 1] sum of squares (None unless the fused norm
+        # gathers it), complete on every rank
+        products, sumsq = self._reduced_products(x)
+        # scale and σ, then the B factors; bwd: AR(Σr) of dz, overlapped with dB.
+        return self.outputs(bottleneck_up(
+            products, sumsq, self.B, self._b_rows, [p.rank for p in self.projections],
+            self.tp_group, self._activation, self.config.overlap_bottleneck_grad_reduce,
+            batched=self.batched_up))
 
     def _reduced_products(self, x: torch.Tensor):
-        """ONE GEMM for the group's A factors on the (γ-scaled) shard and ONE all-reduce of the
-        partial products (``reduce_products``); fwd AR(Σr), bwd identity (then the GEMMs'
-        backward). With the fused norm, online-RMSNorm's fp32 statistic
-        (``parallel/online_rmsnorm.py``) rides as one extra column of that all-reduce (Σr + 1)
-        with fp32 products; with bf16 products its own fp32 all-reduce is started before the
-        GEMM and waited for after the products' one. Returns (products, statistic or None).
-        Low-rank activation checkpointing serves both from its log, through the mappings
-        (docs/design.md §7)."""
-        xin = x * self.layer_norm_weight if self.fuse_norm else x  # [s, b, d_in/t]
+        """ONE GEMM for the group's A factors and ONE all-reduce of the partial products
+        (``reduce_products``); fwd AR(Σr), bwd identity (then the GEMMs' backward). With the
+        fused norm at t > 1, A is scaled by γ (weight-sized) and online-RMSNorm's fp32
+        statistic rides with the products (``parallel/online_rmsnorm.py``). Returns
+        (products, statistic or None). Low-rank activation checkpointing serves both from its
+        log, through the mappings (docs/design.md §7)."""
+        chunks = self.config.bottleneck_overlap_chunks
         if not self.fuse_norm:
-            return reduce_products(xin, self.A, self.tp_group)
-        if statistic_rides_with_products(xin.dtype):
-            # fp32 [s, b, 1] partial over the ranks, complete after the all-reduce
-            return reduce_products(xin, self.A, self.tp_group, extra=partial_sum_of_squares(x))
-        pending = start_sum_of_squares(x, self.tp_group, self.tp_size)  # in flight
-        products, _ = reduce_products(xin, self.A, self.tp_group)  # [s, b, Σr]
-        return products, pending.wait()  # fp32 [s, b, 1], complete
+            return reduce_products(x, self.A, self.tp_group, chunks=chunks), None
+        if self.tp_size == 1:  # the whole hidden vector is here: a plain fused RMSNorm
+            normed = F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps)
+            return reduce_products(normed, self.A, self.tp_group, chunks=chunks), None
+        folded = fold_norm_weight(self.A, self.layer_norm_weight)  # [Σr, d/t]
+        return reduce_products(x, folded, self.tp_group, with_statistic=True, chunks=chunks)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
@@ -340,13 +361,18 @@ class NaiveBottleneckGroup(BottleneckGroup):
 
     mode = TPMode.NAIVE
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
         h = self.activation(self._column_parallel_a(x))  # [s, b, Σr/t]
         ranks = [p.rank // self.tp_size for p in self.projections]
+        outs = split_project(h, self.factors("B"), ranks)
         # [s, b, Σ d_out], partial over ranks until the all-reduce (contiguous: a fresh GEMM or
-        # concatenation output, as megatron's in-place all-reduce requires)
-        out = self.combine(split_project(h, self.factors("B"), ranks))
-        return reduce_forward(out, self.tp_group)  # fwd: AR(Σ d_out); bwd: identity
+        # concatenation output, as megatron's in-place all-reduce requires); one collective for
+        # the group, so its projections are laid side by side first
+        out = reduce_forward(outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1),
+                             self.tp_group)  # fwd: AR(Σ d_out); bwd: identity
+        if len(outs) == 1:
+            return out
+        return self.outputs(out.split([p.out_size for p in self.projections], dim=-1))
 
     def _column_parallel_a(self, x: torch.Tensor) -> torch.Tensor:
         """x · A_local^T on the replicated input: megatron's column-parallel linear. bwd:
@@ -371,11 +397,10 @@ def _reject_bias(bias: bool, cls_name: str):
 
 
 class _QKVMixin:
-    """q, k, v of one attention layer, output in megatron-core's fused per-group layout.
-
-    SelfAttention splits ``linear_qkv``'s output as [s, b, ng_local, (np/ng + 2) · hn]:
-    for each local query group its np/ng query heads, then its key head, then its value head.
-    """
+    """q, k, v of one attention layer: ``linear_qkv`` returns the three as they come out of
+    their B factors, [s, b, np/t·hn], [s, b, ng/t·hn], [s, b, ng/t·hn] (query heads in
+    megatron's order: a group's np/ng heads together), and ``BottleneckSelfAttention``
+    (``model/blocks.py``) views them as heads, with no fused-layout concatenation."""
 
     def _qkv_projections(self, config, input_size, output_size):
         hn = config.kv_channels
@@ -385,18 +410,9 @@ class _QKVMixin:
             raise ValueError(f"linear_qkv output_size ({output_size}) must equal heads·hn + "
                              f"2·groups·hn ({q_out + 2 * kv_out})")
         r = config.attn_rank
-        self._hn, self._ng = hn, ng
         return [Projection("q", r, q_out), Projection("k", r, kv_out),
                 Projection("v", r, kv_out)]
 
-    def combine(self, outs):
-        q, k, v = outs  # [s, b, nq_l·hn], [s, b, ng_l·hn], [s, b, ng_l·hn]
-        ng_l = k.shape[-1] // self._hn
-        q = q.view(*q.shape[:-1], ng_l, -1)  # [s, b, ng_l, np/ng·hn]
-        k = k.view(*k.shape[:-1], ng_l, self._hn)  # [s, b, ng_l, hn]
-        v = v.view(*v.shape[:-1], ng_l, self._hn)  # [s, b, ng_l, hn]
-        qkv = torch.cat([q, k, v], dim=-1)  # [s, b, ng_l, (np/ng + 2)·hn]
-        return qkv.view(*qkv.shape[:-2], -1)  # [s, b, ng_l·(np/ng + 2)·hn]
 
 
 def _fc1_projections(config, output_size):
@@ -440,6 +456,10 @@ class BoostLinearFC1(BoostBottleneckGroup):
     """
 
     group = Group.FC1
+    # The MLP's product keeps gate and up for its backward, so one buffer for both costs no
+    # memory. (Attention keeps only v, RoPE replaces q and k: one buffer for q, k, v would
+    # keep q and k alive, so linear_qkv runs a GEMM per projection.)
+    batched_up = True
 
     def __init__(self, input_size, output_size, *, config, init_method=None,
                  gather_output=False, bias=False, skip_bias_add=True, is_expert=False,

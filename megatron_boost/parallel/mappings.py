@@ -33,7 +33,8 @@ layer's log (``parallel/recompute.py``), so the layers' forward is written once.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.tensor_parallel.mappings import (
@@ -43,7 +44,10 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_pg_size
 
-from megatron_boost.parallel.recompute import active_log, replay_product, replay_reduce
+from megatron_boost.parallel.online_rmsnorm import (bottleneck_input, bottleneck_input_backward,
+                                                   statistic_rides_with_products,
+                                                   sum_of_squares)
+from megatron_boost.parallel.recompute import active_log
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -53,6 +57,7 @@ __all__ = [
     "reduce_products",
     "reduce_scatter_to_hidden_shards",
     "split_project",
+    "BottleneckActivation",
     "bottleneck_up",
 ]
 
@@ -72,30 +77,110 @@ def reduce_forward(x: torch.Tensor, group) -> torch.Tensor:
     return all_reduce(x) if log is None else log.reduce(x, all_reduce)
 
 
-def reduce_products(xin: torch.Tensor, a: torch.Tensor, group,
-                    extra: Optional[torch.Tensor] = None
-                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """boost's A side: ONE GEMM of the group's A factors and ONE all-reduce of the partial
-    products, xin [s, b, d_in/t] · A^T -> [s, b, Σr]; ``extra`` partial columns [s, b, k] (the
-    fused norm's fp32 statistic) ride as the last columns of the same all-reduce. fwd AR(Σr
-    (+k)), bwd identity (then the GEMM's backward). Returns (products, reduced extra or None).
+def _row_chunks(rows_per_position: int, positions: int, chunks: int) -> List[Tuple[int, int]]:
+    """(first row, end row) of each of ``chunks`` blocks of whole sequence positions of a
+    token-major [s·b, ·] matrix: contiguous row blocks, as equal as s allows."""
+    bounds = [round(i * positions / chunks) for i in range(chunks + 1)]
+    return [(a * rows_per_position, b * rows_per_position)
+            for a, b in zip(bounds, bounds[1:]) if b > a]
 
-    In the recompute of a low-rank checkpointed layer the recorded sums are returned without
-    communicating and without the product's GEMM (its gradient needs only xin and A)."""
-    log = active_log()
-    if log is not None and log.replaying and get_pg_size(group) > 1:
-        recorded = log.next_recorded()
-        n = a.shape[0]
-        products = replay_product(xin, a, recorded[..., :n])  # [s, b, Σr]
-        if extra is None:
-            return products, None
-        return products, replay_reduce(extra, recorded[..., n:])  # [s, b, k]
-    partial = torch.matmul(xin, a.t())  # [s, b, Σr]
-    if extra is None:
-        return reduce_forward(partial, group), None
-    fused = reduce_forward(torch.cat([partial, extra], dim=-1), group)  # [s, b, Σr + k]
-    products, reduced = fused.split([partial.shape[-1], extra.shape[-1]], dim=-1)
-    return products, reduced
+
+def _gemm_all_reduce(x2d: torch.Tensor, w: torch.Tensor, out2d: torch.Tensor, group,
+                     blocks: List[Tuple[int, int]]) -> None:
+    """out2d[:, :n] = x2d · Wᵀ and out2d all-reduced over ``group`` in place, block of rows by
+    block: each block's all-reduce is started as soon as its GEMM is done, so it travels while
+    the next block's GEMM computes (one block: one GEMM, then one all-reduce)."""
+    n = w.shape[0]
+    if len(blocks) == 1:
+        torch.mm(x2d, w.t(), out=out2d[:, :n])
+        if get_pg_size(group) > 1:
+            torch.distributed.all_reduce(out2d, group=group)
+        return
+    handles = []
+    for first, end in blocks:
+        torch.mm(x2d[first:end], w.t(), out=out2d[first:end, :n])
+        if get_pg_size(group) > 1:  # a whole-row block: contiguous
+            handles.append(torch.distributed.all_reduce(out2d[first:end], group=group,
+                                                        async_op=True))
+    for handle in handles:
+        handle.wait()
+
+
+class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
+    """boost's A side: P = Σ_ranks x_k · W_kᵀ, and with the fused norm the fp32 statistic
+    Σ_ranks Σ x_k² (docs/design.md §3).
+
+    fwd: the statistic's region; with fp32 products it rides as the last column of the
+         products' all-reduce (Σr + 1), with bf16 ones its own fp32 all-reduce is started
+         before the GEMM and waited for after it. The GEMM writes straight into the buffer the
+         all-reduce reduces in place; with ``chunks`` > 1, blocks of sequence positions
+         pipeline GEMM and all-reduce. In a low-rank recompute: the recorded results, no GEMM,
+         no collective.
+    bwd: no communication (the reduction's backward is the identity): dx = dP·W (+ 2·x·dΣx²,
+         one kernel), dW = dPᵀ·x.
+    Returns P [s, b, Σr] (a view of the reduced buffer) and, with the statistic, Σx² [s, b, 1].
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, group, with_statistic: bool, chunks: int):
+        ctx.with_statistic = with_statistic
+        ctx.save_for_backward(x, w)
+        log = active_log() if get_pg_size(group) > 1 else None
+        if log is not None and log.replaying:
+            return _replayed_products(log, w.shape[0], x.dtype, with_statistic)
+        n, rides = w.shape[0], statistic_rides_with_products(x.dtype)
+        *lead, width = x.shape
+        x2d = x.reshape(-1, width)  # [s·b, d_in/t]
+        sumsq = sum_of_squares(x) if with_statistic else None  # fp32 [s, b, 1]
+        handle = None
+        if with_statistic and not rides and get_pg_size(group) > 1:
+            handle = torch.distributed.all_reduce(sumsq, group=group, async_op=True)
+        out = x.new_empty(*lead, n + (1 if with_statistic and rides else 0))  # [s, b, Σr (+1)]
+        out2d = out.view(-1, out.shape[-1])
+        if with_statistic and rides:
+            out[..., n:].copy_(sumsq)  # one value per token: the column rides along
+        _gemm_all_reduce(x2d, w, out2d, group, _row_chunks(x2d.shape[0] // lead[0], lead[0],
+                                                           chunks))
+        if handle is not None:
+            handle.wait()
+        if with_statistic and rides:
+            sumsq = out[..., n:]
+        if log is not None:  # in issue order; one fused tensor when the column rides
+            log.record(out)
+            if with_statistic and not rides:
+                log.record(sumsq)
+        products = out[..., :n] if out.shape[-1] != n else out
+        return (products, sumsq) if with_statistic else products
+
+    @staticmethod
+    def backward(ctx, d_products, d_sumsq=None):
+        x, w = ctx.saved_tensors
+        g2d = d_products.reshape(-1, w.shape[0])  # [s·b, Σr]
+        dx = torch.mm(g2d, w).view(x.shape)  # [s, b, d_in/t]
+        if ctx.with_statistic and d_sumsq is not None:
+            dx.addcmul_(x, d_sumsq, value=2.0)  # + d(Σx²)/dx, in the same buffer
+        dw = torch.mm(g2d.t(), x.reshape(-1, x.shape[-1]))  # [Σr, d_in/t]
+        return dx, dw, None, None, None
+
+
+def _replayed_products(log, n: int, dtype, with_statistic: bool):
+    """The recorded reductions of a low-rank recompute, as the forward returned them."""
+    first = log.next_recorded()
+    if not with_statistic:
+        return first.view_as(first)
+    if statistic_rides_with_products(dtype):
+        return first[..., :n], first[..., n:]
+    return first.view_as(first), log.next_recorded().view_as(first[..., :1])
+
+
+def reduce_products(x: torch.Tensor, w: torch.Tensor, group, with_statistic: bool = False,
+                    chunks: int = 1):
+    """boost's A side: ONE GEMM of the group's (γ-scaled) A factors on the local shard x
+    [s, b, d_in/t] and ONE all-reduce of the partial products (Σr wide; with the statistic
+    Σr + 1, or Σr and an fp32 1 in bf16), pipelined over ``chunks`` blocks of the sequence.
+    Returns P [s, b, Σr], or (P, Σx² [s, b, 1]) ``with_statistic``
+    (:class:`_ProductsAllReduceFwdGemmBwd`)."""
+    return _ProductsAllReduceFwdGemmBwd.apply(x, w, group, with_statistic, chunks)
 
 
 def split_project(z: torch.Tensor, weights, ranks: Sequence[int]) -> List[torch.Tensor]:
@@ -104,52 +189,118 @@ def split_project(z: torch.Tensor, weights, ranks: Sequence[int]) -> List[torch.
     return [torch.matmul(zp, w.t()) for zp, w in zip(z.split(list(ranks), dim=-1), weights)]
 
 
-class _UpProjectAllReduceDgrad(torch.autograd.Function):
-    """boost: y_p = z_p · B_p^T for each projection p of a group, z = [z_1 | z_2 | ...].
+@dataclass(frozen=True)
+class BottleneckActivation:
+    """What lies between a group's reduced products and its B factors: the fused norm's scale
+    (with the statistic) and σ (``parallel/online_rmsnorm.py``)."""
 
-    fwd: identity on z (replicated) and the local GEMMs; no communication.
+    act: Callable
+    act_grad: Callable
+    identity: bool
+    hidden_size: int
+    eps: float
+
+    def forward(self, products, sumsq):
+        return bottleneck_input(products, sumsq, self.hidden_size, self.eps, self.act,
+                                self.identity)
+
+    def backward(self, products, sumsq, dz):
+        return bottleneck_input_backward(products, sumsq, dz, self.hidden_size, self.eps,
+                                         self.act_grad, self.identity)
+
+
+def _up_project(z: torch.Tensor, b: torch.Tensor, rows: Sequence[int], ranks: Sequence[int],
+                batched: bool) -> List[torch.Tensor]:
+    """y_p = z_p · B_pᵀ for each projection p, z [s, b, Σr] = [z_1 | z_2 | ...], B the grouped
+    factor [Σ out_p, r] (rows ``rows``): with ``batched`` and equal shapes, one batched GEMM
+    whose outputs share one buffer, else one GEMM per projection on its row view."""
+    if batched and len(rows) > 1 and len(set(rows)) == 1 and len(set(ranks)) == 1:
+        g, r, out = len(rows), ranks[0], rows[0]
+        zb = z.reshape(-1, g, r).transpose(0, 1)  # [G, s·b, r], strided: no copy
+        y = torch.bmm(zb, b.view(g, out, r).transpose(1, 2))  # [G, s·b, out]
+        return [y[i].view(*z.shape[:-1], out) for i in range(g)]  # [s, b, out] each
+    return split_project(z, b.split(list(rows), dim=0), ranks)
+
+
+def _input_gradient(grads, b: torch.Tensor, rows: Sequence[int], ranks: Sequence[int],
+                    like: torch.Tensor) -> torch.Tensor:
+    """dz = [g_1·B_1 | g_2·B_2 | ...] [s, b, Σr]: each projection's GEMM writes its columns of
+    one buffer (no concatenation)."""
+    if len(rows) == 1:
+        return torch.mm(grads[0], b).view(*like.shape[:-1], b.shape[-1])
+    dz = like.new_empty(*like.shape[:-1], sum(ranks))
+    dz2d, first = dz.view(-1, dz.shape[-1]), 0
+    for g2d, w, r in zip(grads, b.split(list(rows), dim=0), ranks):
+        torch.mm(g2d, w, out=dz2d[:, first:first + r])
+        first += r
+    return dz
+
+
+def _weight_gradient(grads, z: torch.Tensor, b: torch.Tensor, rows: Sequence[int],
+                     ranks: Sequence[int]) -> torch.Tensor:
+    """dB = [g_1ᵀ·z_1; g_2ᵀ·z_2; ...] [Σ out_p, r]: each projection's GEMM writes its rows of
+    the grouped factor's gradient."""
+    z2d = z.view(-1, z.shape[-1])
+    if len(rows) == 1:
+        return torch.mm(grads[0].t(), z2d)
+    db, first_row, first_col = torch.empty_like(b), 0, 0
+    for g2d, n, r in zip(grads, rows, ranks):
+        torch.mm(g2d.t(), z2d[:, first_col:first_col + r],
+                 out=db[first_row:first_row + n])
+        first_row, first_col = first_row + n, first_col + r
+    return db
+
+
+class _UpProjectAllReduceDgrad(torch.autograd.Function):
+    """boost: z = σ(scale(P)) and y_p = z_p · B_pᵀ for each projection p of a group,
+    z = [z_1 | z_2 | ...], B the grouped factor [Σ out_p/t, r].
+
+    fwd: the norm's scale and σ in one region, then the B GEMMs (one batched GEMM with
+         ``batched`` and equal shapes); no communication. Keeps P and the statistic (for σ' and the
+         scale's gradient, recomputed in the backward region) and z (bf16: the dB GEMMs').
     bwd: dz (width Σr, partial: each rank holds out/t rows of B) is all-reduced ASYNCHRONOUSLY
-         while the weight gradients dB_p = g_p^T z_p are computed, then waited on. The same
-         collective as copy_to_tensor_model_parallel_region, overlapped with compute.
+         while the weight gradients dB_p = g_pᵀ z_p are computed, then waited on (the same
+         collective as copy_to_tensor_model_parallel_region, overlapped with compute;
+         ``overlap`` False completes it first); then dP (and dΣx²) in one region.
     """
 
     @staticmethod
-    def forward(ctx, z, group, ranks, *weights):
-        ctx.group, ctx.ranks = group, ranks
-        ctx.save_for_backward(z, *weights)
-        return tuple(split_project(z, weights, ranks))
+    def forward(ctx, products, sumsq, b, group, rows, ranks, activation, overlap, batched):
+        ctx.group, ctx.rows, ctx.ranks = group, rows, ranks
+        ctx.activation, ctx.overlap = activation, overlap
+        z = activation.forward(products, sumsq)  # [s, b, Σr]
+        ctx.save_for_backward(products, sumsq, z, b)
+        return tuple(_up_project(z, b, rows, ranks, batched))
 
     @staticmethod
     def backward(ctx, *grads):
-        z, *weights = ctx.saved_tensors
-        # An unused output gets no gradient: treat it as zero.
-        grads = [g if g is not None else z.new_zeros(*z.shape[:-1], w.shape[0])
-                 for g, w in zip(grads, weights)]
-        dz = torch.cat([torch.matmul(g, w) for g, w in zip(grads, weights)], dim=-1)  # [s,b,Σr]
+        products, sumsq, z, b = ctx.saved_tensors
+        # [s·b, out_p/t] each; an unused output gets no gradient: treat it as zero
+        grads = [g.reshape(-1, g.shape[-1]) if g is not None
+                 else z.new_zeros(z.numel() // z.shape[-1], n) for g, n in zip(grads, ctx.rows)]
+        dz = _input_gradient(grads, b, ctx.rows, ctx.ranks, z)  # [s, b, Σr], partial
         handle = None
         if get_pg_size(ctx.group) > 1:
-            dz = dz.contiguous()
-            handle = torch.distributed.all_reduce(dz, group=ctx.group, async_op=True)
-        zs = z.split(ctx.ranks, dim=-1)
-        dws = [torch.matmul(g.reshape(-1, g.shape[-1]).t(), zp.reshape(-1, zp.shape[-1]))
-               for g, zp in zip(grads, zs)]  # [out_p/t, r_p] each, from [s·b, ·] operands
-        if handle is not None:
+            handle = torch.distributed.all_reduce(dz, group=ctx.group, async_op=ctx.overlap)
+        db = _weight_gradient(grads, z, b, ctx.rows, ctx.ranks)  # [Σ out_p/t, r]
+        if handle is not None and ctx.overlap:
             handle.wait()
-        return (dz, None, None, *dws)
+        d_products, d_sumsq = ctx.activation.backward(products, sumsq, dz)
+        return d_products, d_sumsq, db, None, None, None, None, None, None
 
 
-def bottleneck_up(z: torch.Tensor, weights, ranks: Sequence[int], group,
-                  overlap: bool = True) -> List[torch.Tensor]:
-    """boost's B factors of a group on the replicated bottleneck z: [s, b, Σr] ->
-    [s, b, out_p/t] per projection.
-
+def bottleneck_up(products: torch.Tensor, sumsq: Optional[torch.Tensor], b: torch.Tensor,
+                  rows: Sequence[int], ranks: Sequence[int], group,
+                  activation: BottleneckActivation, overlap: bool = True,
+                  batched: bool = False) -> List[torch.Tensor]:
+    """boost's B side on the reduced products P [s, b, Σr] (and the statistic, with the fused
+    norm): [s, b, out_p/t] per projection, from the grouped B factor [Σ out_p/t, r].
     fwd: no communication; bwd: all-reduce of dz (Σr), overlapped with the dB GEMMs when
-    ``overlap`` (see _UpProjectAllReduceDgrad), else issued first
-    (copy_to_tensor_model_parallel_region) as in the plain autograd graph."""
-    if not overlap:
-        return split_project(copy_to_tensor_model_parallel_region(z, group=group), weights,
-                             ranks)
-    return list(_UpProjectAllReduceDgrad.apply(z, group, list(ranks), *weights))
+    ``overlap`` (:class:`_UpProjectAllReduceDgrad`). ``batched``: one batched GEMM for
+    projections of equal shapes, whose outputs then share one buffer (worth it only when the
+    consumer keeps every output alive: a buffer lives as long as any view of it)."""
+    return list(_UpProjectAllReduceDgrad.apply(products, sumsq, b, group, list(rows),
+                                               list(ranks), activation, overlap, batched))
 
 
 class _ReduceScatterLastDimFwdAllGatherBwd(torch.autograd.Function):

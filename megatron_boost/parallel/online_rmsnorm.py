@@ -1,23 +1,39 @@
-"""online-RMSNorm's statistic (docs/design.md §3): the fp32 sum of squares of the local hidden
-shard, its all-reduce (recorded and replayed under low-rank recompute), and 1/rms.
+"""online-RMSNorm's arithmetic (docs/design.md §3) as fused regions (``parallel/fusion.py``):
+one kernel each on CUDA, the exact RMSNorm of the whole hidden vector although each TP rank
+holds only its slice of it.
 
-boost's column layers fuse the pre-norm into their A GEMM, A·(γ⊙x/rms(x)) = (A·(γ⊙x))/rms(x),
-so each rank needs only Σ_k x_k² summed over the TP group. It is fp32 from x to 1/rms in every
-dtype. With fp32 products it rides as one extra column of the products' all-reduce; with bf16
-products it has an fp32 all-reduce of its own, which :func:`start_sum_of_squares` issues
-asynchronously before the A GEMM, so the GEMM runs while it travels.
+boost's column layers fuse the pre-norm into their A GEMM,
+
+    A·(γ ⊙ x / rms(x)) = ((A ⊙ γ)·x) / rms(x),     rms(x) = sqrt(Σ_k x_k² / d + ε)
+
+so each rank needs the product of its slice with the γ-scaled factor (a weight-sized scaling,
+:func:`fold_norm_weight`, in place of a token-sized γ ⊙ x) and its share of the statistic Σx²,
+summed over the TP group by the products' all-reduce (``parallel/mappings.py``). The statistic
+is fp32 from x to 1/rms in every dtype. The regions:
+
+* :func:`sum_of_squares`: Σ_k x_k² of the local slice, fp32 [s, b, 1] (one read of x);
+* :func:`scale_and_activate`: z = σ(round(P · rsqrt(Σx²/d + ε))) from the reduced products P and
+  statistic, the same arithmetic as ``F.rms_norm``'s fp32 scaling followed by σ; nothing is
+  saved but P and Σx² (σ and the scaling are recomputed in backward, one more read of P);
+* :func:`scale_and_activate_backward`: dP and dΣx² from P, Σx² and dz, in one pass: the
+  gradient autograd computes through the same operations, in the same order;
+* :func:`activate` / :func:`activate_backward`: σ alone, for the groups without a norm.
+
+σ' is the activation's registered gradient (``config/transformer.py``); an activation
+registered without one is differentiated by autograd, outside the regions.
 """
 
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, Optional, Tuple
 
 import torch
 
-from megatron_boost.parallel.recompute import active_log
+from megatron_boost.parallel.fusion import fused_region
 
-__all__ = ["statistic_rides_with_products", "partial_sum_of_squares", "start_sum_of_squares",
-           "PendingStatistic", "inverse_rms"]
+__all__ = ["statistic_rides_with_products", "inverse_rms", "sum_of_squares",
+           "fold_norm_weight", "scale_and_activate", "scale_and_activate_backward", "activate",
+           "activate_backward"]
 
 
 def statistic_rides_with_products(dtype: torch.dtype) -> bool:
@@ -28,77 +44,111 @@ def statistic_rides_with_products(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def _sum_of_squares_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """d(Σ_k x_k²)/dx for the fp32 gradient g [s, b, 1], in x's dtype: 2·x·g."""
-    return (g * (2.0 * x.float())).to(x.dtype)
-
-
-class _SumOfSquares(torch.autograd.Function):
-    """Σ_k x_k² over the last dimension, in fp32 ([s, b, 1]), optionally all-reduced.
-
-    fwd: the local sum; with a ``group``, its all-reduce is started asynchronously and the
-         handle appended to ``handles`` (the caller waits before reading the result).
-    bwd: 2·x·g; the reduction's backward is the identity (the gradient of the reduced
-         statistic is the same on every rank, docs/design.md §3).
-    Saves x in its own dtype (the fused norm's input, which autograd keeps anyway), not an
-    fp32 copy of it."""
-
-    @staticmethod
-    def forward(ctx, x, group, handles: List):
-        ctx.save_for_backward(x)
-        sumsq = x.float().pow(2).sum(dim=-1, keepdim=True)  # [s, b, 1]
-        if group is not None:
-            handles.append(torch.distributed.all_reduce(sumsq, group=group, async_op=True))
-        return sumsq
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return _sum_of_squares_grad(x, g), None, None
-
-
-def partial_sum_of_squares(x: torch.Tensor) -> torch.Tensor:
-    """This rank's partial statistic Σ_k x_k² of the local shard x, fp32 [s, b, 1]."""
-    return _SumOfSquares.apply(x, None, [])
-
-
-class PendingStatistic:
-    """The all-reduced statistic once :meth:`wait` returns (an all-reduce in flight before).
-
-    In a low-rank checkpointed layer (``parallel/recompute.py``) the complete statistic is
-    recorded into the layer's log when waited for, in the forward; in the recompute no
-    all-reduce is issued and :meth:`wait` returns the recorded one, with the gradient of the
-    local Σx² (docs/design.md §7)."""
-
-    def __init__(self, sumsq: torch.Tensor, handle, log=None):
-        self._sumsq, self._handle, self._log = sumsq, handle, log
-
-    def wait(self) -> torch.Tensor:
-        """The complete Σx² over the TP group, fp32 [s, b, 1]."""
-        if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
-        if self._log is None:
-            return self._sumsq
-        log, self._log = self._log, None
-        if log.replaying:
-            self._sumsq = log.replay_next(self._sumsq)
-        else:
-            log.record(self._sumsq)
-        return self._sumsq
-
-
-def start_sum_of_squares(x: torch.Tensor, group, tp_size: int) -> PendingStatistic:
-    """Σx² of the local shard x with its fp32 all-reduce over ``group`` started
-    asynchronously (none for one rank, and none in a low-rank recompute): issue it before the
-    A GEMM, wait after."""
-    log = active_log() if tp_size > 1 else None
-    handles: List = []
-    reduce_over = None if tp_size == 1 or (log is not None and log.replaying) else group
-    sumsq = _SumOfSquares.apply(x, reduce_over, handles)
-    return PendingStatistic(sumsq, handles[0] if handles else None, log)
-
-
 def inverse_rms(sumsq: torch.Tensor, hidden_size: int, eps: float) -> torch.Tensor:
     """1/rms = rsqrt(Σx²/d + ε), fp32 [s, b, 1], from the complete statistic."""
     return torch.rsqrt(sumsq / hidden_size + eps)
+
+
+@fused_region
+def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
+    """Σ_k x_k² over the last dimension in fp32: [s, b, d/t] -> [s, b, 1]."""
+    return x.float().pow(2).sum(dim=-1, keepdim=True)
+
+
+@fused_region
+def _scaled_weight(a: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    return a * gamma  # [Σr, d/t] ⊙ [d/t]: γ broadcast over the rows
+
+
+@fused_region
+def _scaled_weight_backward(grad: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    # d(A ⊙ γ)/dA = γ, d/dγ = Σ_rows A (fp32 accumulation, as torch's sum of a bf16 tensor)
+    return grad * gamma, (grad.float() * a.float()).sum(dim=0).to(gamma.dtype)
+
+
+class _FoldNormWeight(torch.autograd.Function):
+    """W = A ⊙ γ: the norm's weight folded into the A factor ([Σr, d/t], weight-sized).
+    fwd: one kernel; bwd: dA = dW ⊙ γ and dγ = Σ_rows dW ⊙ A in one kernel."""
+
+    @staticmethod
+    def forward(ctx, a, gamma):
+        ctx.save_for_backward(a, gamma)
+        return _scaled_weight(a, gamma)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, gamma = ctx.saved_tensors
+        return _scaled_weight_backward(grad, a, gamma)
+
+
+def fold_norm_weight(a: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """A ⊙ γ ([Σr, d/t]): the GEMM of x with it equals A·(γ ⊙ x), without the token-sized
+    γ ⊙ x (docs/design.md §3)."""
+    return _FoldNormWeight.apply(a, gamma)
+
+
+@fused_region
+def scale_and_activate(products: torch.Tensor, sumsq: torch.Tensor, hidden_size: int,
+                       eps: float, act: Callable) -> torch.Tensor:
+    """z = σ(P / rms): the reduced products [s, b, Σr] scaled in fp32 by 1/rms (computed from the
+    complete fp32 statistic [s, b, 1]) and rounded once to P's dtype, then σ."""
+    scaled = (products.float() * inverse_rms(sumsq, hidden_size, eps)).to(products.dtype)
+    return act(scaled)
+
+
+@fused_region
+def scale_and_activate_backward(products: torch.Tensor, sumsq: torch.Tensor, dz: torch.Tensor,
+                                hidden_size: int, eps: float, act_grad: Callable
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dP, dΣx²) of :func:`scale_and_activate` from dz: the operations autograd runs
+    through it (σ', the fp32 scale, rsqrt, the division by d), in its order."""
+    inv = inverse_rms(sumsq, hidden_size, eps)  # fp32 [s, b, 1]
+    p32 = products.float()
+    scaled = (p32 * inv).to(products.dtype)
+    dy = act_grad(dz, scaled).float()  # dL/d(scaled), through the rounding cast
+    d_products = (dy * inv).to(products.dtype)
+    d_inv = (dy * p32).sum(dim=-1, keepdim=True)  # [s, b, 1]
+    d_sumsq = (-0.5 * d_inv * inv.pow(3)) / hidden_size  # rsqrt', then / d
+    return d_products, d_sumsq
+
+
+@fused_region
+def activate(products: torch.Tensor, act: Callable) -> torch.Tensor:
+    """z = σ(P) (the groups without a norm)."""
+    return act(products)
+
+
+@fused_region
+def activate_backward(products: torch.Tensor, dz: torch.Tensor, act_grad: Callable
+                      ) -> torch.Tensor:
+    """dP = σ'(P)·dz."""
+    return act_grad(dz, products)
+
+
+def autograd_activation_grad(act: Callable) -> Callable:
+    """σ'(y)·dz by autograd, for an activation registered without its gradient."""
+    def grad(dz: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            y = y.detach().requires_grad_(True)
+            return torch.autograd.grad(act(y), y, dz)[0]
+    return grad
+
+
+def bottleneck_input(products: torch.Tensor, sumsq: Optional[torch.Tensor], hidden_size: int,
+                     eps: float, act: Callable, identity: bool) -> torch.Tensor:
+    """z, the B factors' input: σ of the (scaled, when ``sumsq`` is given) products; the
+    products themselves for an identity σ without a norm (no kernel)."""
+    if sumsq is not None:
+        return scale_and_activate(products, sumsq, hidden_size, eps, act)
+    return products if identity else activate(products, act)
+
+
+def bottleneck_input_backward(products: torch.Tensor, sumsq: Optional[torch.Tensor],
+                              dz: torch.Tensor, hidden_size: int, eps: float,
+                              act_grad: Callable, identity: bool
+                              ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(dP, dΣx² or None) of :func:`bottleneck_input`."""
+    if sumsq is not None:
+        return scale_and_activate_backward(products, sumsq, dz, hidden_size, eps, act_grad)
+    return (dz if identity else activate_backward(products, dz, act_grad)), None

@@ -14,8 +14,8 @@ Everything else reads it: the layers (``parallel/layers.py``) take their split a
 communication formulas (``analysis/comm.py``), the perf model's GEMM shapes and parameters
 (``perf/model.py``) and the per-rank factor shapes (:func:`local_factor_shapes`) their sizes.
 
-Plain Python on purpose, like ``config/modes.py``: the perf model and ``--check`` import it
-without torch.
+Plain Python on purpose, like ``config/modes.py``: ``--check`` and the perf model's layout
+checks import it without torch.
 """
 
 from __future__ import annotations

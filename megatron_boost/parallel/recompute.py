@@ -12,7 +12,8 @@ reductions (:class:`ForwardReductions`) is the context of the collectives themse
 (:func:`active_log`), set by :func:`lowrank_checkpoint` for the checkpointed forward and for the
 recompute only. The forward all-reduces of ``parallel/mappings.py`` (``reduce_forward``,
 ``reduce_products``) and online-RMSNorm's statistic (``parallel/online_rmsnorm.py``) record their
-results into it, then replay them in issue order. Outside a checkpointed layer there is no log
+results into it, then replay them in issue order (boost's A side, ``reduce_products``, then
+skips its GEMM too: its backward needs only the input and the factor). Outside a checkpointed layer there is no log
 and they reduce normally.
 """
 
@@ -24,8 +25,7 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
-__all__ = ["ForwardReductions", "active_log", "lowrank_checkpoint", "replay_product",
-           "replay_reduce"]
+__all__ = ["ForwardReductions", "active_log", "lowrank_checkpoint", "replay_reduce"]
 
 
 class _ReplayReduce(torch.autograd.Function):
@@ -45,41 +45,10 @@ class _ReplayReduce(torch.autograd.Function):
         return grad, None
 
 
-class _ReplayProduct(torch.autograd.Function):
-    """Recompute stand-in of all-reduce(xin · A^T) (boost's A side): the recorded result is
-    returned and the partial product is NOT recomputed, since its gradient does not need it.
-
-    fwd: no communication, no GEMM (the recorded, already reduced [s, b, Σr]).
-    bwd: what the product and the reduction would give: dxin = g · A, dA = (xin^T · g)^T (the
-         same GEMMs, in the same form, as autograd's matmul backward). No communication (the
-         reduction's bwd is identity).
-    """
-
-    @staticmethod
-    def forward(ctx, xin, a, recorded):
-        ctx.save_for_backward(xin, a)
-        return recorded.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        xin, a = ctx.saved_tensors
-        g2d = g.reshape(-1, a.shape[0])  # [s·b, Σr]
-        xin2d = xin.reshape(-1, xin.shape[-1])  # [s·b, d_in/t]
-        dxin = g2d.mm(a).view(xin.shape)  # [s, b, d_in/t]
-        da = xin2d.t().mm(g2d).t()  # [Σr, d_in/t]
-        return dxin, da, None
-
-
 def replay_reduce(partial: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
     """The recorded all-reduce(partial): no communication; its backward hands the gradient to
     ``partial`` unchanged, as the reduction's (:class:`_ReplayReduce`)."""
     return _ReplayReduce.apply(partial, recorded)
-
-
-def replay_product(xin: torch.Tensor, a: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
-    """The recorded all-reduce(xin · A^T), with that expression's gradients
-    (:class:`_ReplayProduct`): no communication, no GEMM."""
-    return _ReplayProduct.apply(xin, a, recorded)
 
 
 class ForwardReductions:

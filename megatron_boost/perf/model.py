@@ -92,7 +92,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from megatron_boost.analysis.comm import (CROSS_ENTROPY_FP32_VALUES, embedding_collectives,
                                           head_collectives, tp_collectives)
 from megatron_boost.analysis.flops import step_flops
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.analysis.ledger import (CORE_ATTENTION_SCOPE, LayerLedger, LedgerSpec,
+                                            layer_ledger)
+from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
 from megatron_boost.config.modes import TPMode, check_tp_split, resolve_sequence_parallel
 from megatron_boost.parallel.placement import local_factor_shapes
 from megatron_boost.perf.hardware import (BYTES_ACT, BYTES_GRAD, BYTES_OPTIM, BYTES_WEIGHT,
@@ -129,6 +131,7 @@ class Layout:
     overlap_grad_reduce: bool = True
     gpus_per_node: Optional[int] = None  # None: the hardware default
     sequence_parallel: Optional[bool] = None  # None: on for full at tp > 1 (the trainer's rule)
+    overlap_chunks: int = 1  # boost: parallel.bottleneck_overlap_chunks
 
     @property
     def resolved_sequence_parallel(self) -> bool:
@@ -150,7 +153,7 @@ class Layout:
 
 
 # ---------------------------------------------------------------------------------------------
-# per-layer work of each mode (per GPU, per token, forward)
+# per-layer work of each mode (per GPU, one micro-batch)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -163,24 +166,16 @@ class Gemm:
 
 
 @dataclass
-class Elem:
-    name: str
-    fwd_bytes: float  # per token
-    bwd_bytes: float  # per token
-    lowrank_recomputed: bool = True
-
-
-@dataclass
 class LayerWork:
+    """One decoder layer on one GPU: its GEMMs, attention heads, TP collectives and parameters
+    from the shape and the placement table; what it moves, launches and keeps for backward from
+    the op ledger of the layer as the model builds it (:meth:`ledger`, measured on first use)."""
+
     gemms: List[Gemm]
     attn_heads: float           # local heads the attention core runs on
-    elems: List[Elem]
     collectives: List[Tuple[str, str, int]]  # (direction, kind, elements per token), TP
-    saved: float                # activation elements per token kept for backward (no recompute)
-    saved_attn_out: float       # the part dropped by selective recompute
-    saved_input: float          # what full recompute keeps (the layer input)
-    saved_lowrank: Optional[float]  # what lowrank recompute keeps (None: not applicable)
     params: float               # parameters per GPU
+    ledger_spec: "LedgerSpec"   # the op ledger of this layer, without recompute
 
     @property
     def coll_fwd(self) -> List[int]:
@@ -192,17 +187,13 @@ class LayerWork:
         """Backward collective widths, elements per token."""
         return [width for direction, _, width in self.collectives if direction == "bwd"]
 
-
-def _rmsnorm(name: str, w: float) -> Elem:
-    return Elem(name, 4 * w, 6 * w)
-
-
-def _residual(name: str, w: float) -> Elem:
-    return Elem(name, 6 * w, 6 * w)
-
-
-def _act(name: str, w: float) -> Elem:  # σ (SiLU) inside a bottleneck
-    return Elem(name, 4 * w, 6 * w)
+    def ledger(self, recompute: Optional[str] = None) -> "LayerLedger":
+        """The op ledger of the layer (``analysis/ledger.py``); ``recompute='lowrank'``: with
+        low-rank activation checkpointing (its backward holds the recompute)."""
+        spec = self.ledger_spec
+        if recompute == "lowrank":
+            spec = dataclasses.replace(spec, recompute="lowrank")
+        return layer_ledger(spec)
 
 
 def _factor_gemms(shape: ModelShape, mode: TPMode, t: int) -> List[Gemm]:
@@ -220,95 +211,25 @@ def _local_params(gemms: List[Gemm]) -> float:
     return sum(g.N * g.K for g in gemms)
 
 
-def _full_work(shape: ModelShape, t: int, sequence_parallel: bool = False) -> LayerWork:
-    """Megatron TP of the full-rank model: column-parallel qkv / fc1, row-parallel proj / fc2;
-    norms and residual adds replicated, or with sequence parallelism sharded along the
-    sequence (the stream between the TP linears is d wide on s/t tokens: ÷ t per token)."""
-    d, f, qw, kvw = shape.hidden, shape.ffn, shape.q_width, shape.kv_width
-    stream = d / t if sequence_parallel else d  # residual stream per token on one GPU
-    gemms = _factor_gemms(shape, TPMode.FULL, t)
-    elems = [_rmsnorm("input_norm", stream),
-             Elem("rope", 4 * (qw + kvw) / t, 4 * (qw + kvw) / t),
-             _residual("residual_attn", stream), _rmsnorm("pre_mlp_norm", stream),
-             Elem("swiglu", 6 * f / t, 10 * f / t), _residual("residual_mlp", stream)]
-    # saved for backward: norm inputs (2d), qkv / fc1 inputs (2d; with SP megatron keeps the
-    # sequence shard and re-gathers it in backward), q,k,v + attention output (flash
-    # attention), fc1 output (2f/t), SwiGLU output (f/t)
-    attn_out = qw / t
-    saved = 4 * stream + (qw + 2 * kvw) / t + attn_out + 3 * f / t
-    collectives = tp_collectives(shape, "full", sequence_parallel=sequence_parallel)
-    return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems,
-                     collectives=collectives, saved=saved,
-                     saved_attn_out=attn_out, saved_input=stream, saved_lowrank=None,
-                     params=_local_params(gemms) + 2 * d)
-
-
-def _naive_work(shape: ModelShape, t: int) -> LayerWork:
-    """Vanilla TP of the bottleneck model: A column-parallel (r/t), B row-parallel with an
-    all-reduce of its full output; attention, RoPE, SwiGLU and norms replicated (not / t)."""
-    d, f, qw, kvw = shape.hidden, shape.ffn, shape.q_width, shape.kv_width
-    ra, rm = shape.r_attn, shape.r_mlp
-    gemms = _factor_gemms(shape, TPMode.NAIVE, t)
-    sig = (4 * ra + 3 * rm) / t
-    elems = [_rmsnorm("input_norm", d), _act("sigma_qkv", 3 * ra / t),
-             Elem("rope", 4 * (qw + kvw), 4 * (qw + kvw)), _act("sigma_o", ra / t),
-             _residual("residual_attn", d), _rmsnorm("pre_mlp_norm", d),
-             _act("sigma_gate_up", 2 * rm / t), Elem("swiglu", 6 * f, 10 * f),
-             _act("sigma_down", rm / t), _residual("residual_mlp", d)]
-    # saved: norm in/out (2d each block), pre-σ and σ outputs (2·7r/t), q,k,v (full heads),
-    # attention output, gate/up outputs (2f), SwiGLU output (f) — replicated on every rank
-    attn_out = qw
-    saved = 4 * d + 2 * sig + (qw + 2 * kvw) + attn_out + 3 * f
-    # lowrank in naive mode: B outputs come out of an all-reduce, so (never re-running a
-    # collective) keep x, the pre-σ slices, the all-reduced q,k,v, the mid residual and
-    # the all-reduced gate/up; recompute σ, norms, RoPE, attention core, SwiGLU.
-    saved_lowrank = d + sig + (qw + 2 * kvw) + d + 2 * f
-    collectives = tp_collectives(shape, "naive")
-    return LayerWork(gemms=gemms, attn_heads=shape.heads, elems=elems,
-                     collectives=collectives, saved=saved, saved_attn_out=attn_out, saved_input=d,
-                     saved_lowrank=saved_lowrank,
-                     params=_local_params(gemms) + 2 * d)
-
-
-def _boost_work(shape: ModelShape, t: int) -> LayerWork:
-    """BOOST: residual stream sharded along d, A row-sharded (K = in/t) with an all-reduce of
-    the r-wide partial product, σ on the replicated r-wide activation, B column-sharded."""
-    d, f, qw, kvw = shape.hidden, shape.ffn, shape.q_width, shape.kv_width
-    ra, rm = shape.r_attn, shape.r_mlp
-    gemms = _factor_gemms(shape, TPMode.BOOST, t)
-    sig = 4 * ra + 3 * rm  # σ on the all-reduced, replicated r-wide activations
-    elems = [_rmsnorm("online_norm_attn", d / t), _act("sigma_qkv", 3 * ra),
-             Elem("rope", 4 * (qw + kvw) / t, 4 * (qw + kvw) / t), _act("sigma_o", ra),
-             _residual("residual_attn", d / t), _rmsnorm("online_norm_mlp", d / t),
-             _act("sigma_gate_up", 2 * rm), Elem("swiglu", 6 * f / t, 10 * f / t),
-             _act("sigma_down", rm), _residual("residual_mlp", d / t)]
-    attn_out = qw / t
-    saved = 4 * d / t + 2 * sig + (qw + 2 * kvw) / t + attn_out + 3 * f / t
-    # low-rank checkpointing (docs/design.md §7): hidden-sharded layer input + the all-reduced
-    # bottleneck activations (7r) + the two rms scalars
-    saved_lowrank = d / t + sig + 2
-    # bf16 training: the fp32 norm statistic travels in its own all-reduce (§3)
-    collectives = tp_collectives(shape, "boost", dtype="bf16")
-    return LayerWork(gemms=gemms, attn_heads=shape.heads / t, elems=elems,
-                     collectives=collectives, saved=saved, saved_attn_out=attn_out,
-                     saved_input=d / t,
-                     saved_lowrank=saved_lowrank,
-                     params=_local_params(gemms) + 2 * d / t)
-
-
-_WORK = {"full": _full_work, "naive": _naive_work, "boost": _boost_work}
-
-
-def layer_work(shape: ModelShape, mode: str, t: int,
-               sequence_parallel: bool = False) -> LayerWork:
-    """GEMMs, element-wise kernels, collectives, saved activations and parameters of one
-    decoder layer on one GPU of a TP group of ``t`` (docs/design.md §2); sequence
-    parallelism applies to full mode only."""
-    if mode not in _WORK:
-        raise ValueError(f"unknown mode '{mode}'; one of {MODES}")
-    if mode == "full":
-        return _full_work(shape, t, sequence_parallel)
-    return _WORK[mode](shape, t)
+def layer_work(shape: ModelShape, mode: str, t: int, sequence_parallel: bool = False,
+               micro_batch: int = 1, overlap_chunks: int = 1) -> LayerWork:
+    """GEMMs, collectives, parameters and the op ledger of one decoder layer on one GPU of a
+    TP group of ``t`` (docs/design.md §2, §17); sequence parallelism applies to full mode
+    only, the pipelined all-reduce (``overlap_chunks``) to boost only. Full rank keeps its two
+    norm weights whole (d each, or with sequence parallelism too), boost its γ sharded (d/t),
+    naive replicated."""
+    mode = check_mode(mode)
+    gemms = _factor_gemms(shape, mode, t)
+    norms = 2 * shape.hidden / t if mode is TPMode.BOOST else 2 * shape.hidden
+    sp = sequence_parallel and mode is TPMode.FULL
+    heads = shape.heads if mode is TPMode.NAIVE else shape.heads / t  # naive: replicated
+    spec = LedgerSpec(shape=shape, mode=mode.value, tp=t, micro_batch=micro_batch,
+                      seq_length=shape.seq_length, dtype="bf16", sequence_parallel=sp,
+                      overlap_chunks=overlap_chunks if mode is TPMode.BOOST else 1)
+    return LayerWork(gemms=gemms, attn_heads=heads,
+                     collectives=tp_collectives(shape, mode, dtype="bf16",
+                                                sequence_parallel=sp),
+                     params=_local_params(gemms) + norms, ledger_spec=spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +315,8 @@ class _Setting:
         gpn = layout.gpus_per_node or hw.gpus_per_node
         d, sp = shape.hidden, layout.resolved_sequence_parallel
         return cls(shape=shape, layout=layout, hw=hw,
-                   work=layer_work(shape, layout.mode, t, sp),
+                   work=layer_work(shape, layout.mode, t, sp, layout.micro_batch,
+                                   layout.overlap_chunks),
                    n=layout.micro_batch * shape.seq_length, m=layout.num_micro_batches,
                    d_loc=d / t if layout.mode == "boost" or sp else d, sp=sp,
                    tp_intra=t <= gpn,
@@ -419,7 +341,8 @@ def _gemm_fwd_bwd(gemms: Iterable[Gemm], n: int, hw: HardwareSpec) -> Tuple[floa
 
 def _recompute_cost(st: _Setting, g_fwd: float, gB_fwd: float, a_fwd: float, el_fwd: float,
                     c_fwd: float) -> Tuple[float, float]:
-    """(compute, communication) seconds the recompute policy re-runs in backward."""
+    """(compute, communication) seconds the recompute policy re-runs in backward, besides what
+    the op ledger's backward already holds (low-rank recompute: its element-wise kernels)."""
     rc = st.layout.recompute or "none"
     if rc == "none":
         return 0.0, 0.0
@@ -427,23 +350,59 @@ def _recompute_cost(st: _Setting, g_fwd: float, gB_fwd: float, a_fwd: float, el_
         return a_fwd, 0.0
     if rc == "full":
         return g_fwd + a_fwd + el_fwd, c_fwd
-    # lowrank: everything but the A products and the collectives
-    if st.layout.mode == "naive":  # B outputs are all-reduced -> kept, not recomputed
-        return a_fwd + el_fwd, 0.0
-    return gB_fwd + a_fwd + el_fwd, 0.0
+    # lowrank: the B GEMMs and the attention core (docs/design.md §7); naive's B outputs come
+    # out of an all-reduce, so they are kept, not recomputed
+    return (a_fwd if st.layout.mode == "naive" else gB_fwd + a_fwd), 0.0
+
+
+def _gemm_rate(gemms: Iterable[Gemm], n: int, hw: HardwareSpec, backward: bool) -> float:
+    """FLOP/s the layer's GEMMs reach in one direction (what hides an overlapped collective)."""
+    fw, bw = _gemm_fwd_bwd(gemms, n, hw)
+    flops = sum(2.0 * n * g.N * g.K for g in gemms) * (2 if backward else 1)
+    seconds = bw if backward else fw
+    return flops / seconds if seconds > 0 else float("inf")
+
+
+def _ledger_collectives_seconds(st: _Setting, ledger, phase: str, rate: float) -> float:
+    """Seconds the TP collectives the op ledger recorded in ``phase`` keep the layer waiting:
+    a synchronous one in full; an asynchronous one less the GEMMs issued between its start
+    and its wait (the op ledger's ``overlap_flops``, at the layer's GEMM rate)."""
+    time_of = {"all_reduce": st.tp_allreduce, "all_gather": st.tp_allgather,
+               "reduce_scatter": st.tp_allgather}  # ring: same cost both ways
+    total = 0.0
+    for c in ledger.collectives:
+        if c.phase != phase:
+            continue
+        seconds = time_of[c.kind](c.bytes)
+        if c.async_op:
+            seconds = max(0.0, seconds - c.overlap_flops / rate)
+        total += seconds
+    return total
+
+
+def _memory_bound_seconds(ledger, phase: str, hw: HardwareSpec) -> float:
+    """The op ledger's element-wise, fused and copy kernels of ``phase``: their bytes at the
+    achieved HBM bandwidth, and a launch gap each."""
+    from megatron_boost.analysis.ledger import TRAFFIC_KINDS
+
+    kernels = sum(ledger.count(phase, kind) for kind in TRAFFIC_KINDS)
+    return elementwise_time(ledger.traffic(phase), hw, kernels=kernels)
 
 
 def _layer_times(st: _Setting) -> Tuple[Dict[str, float], Dict[str, float]]:
     """Compute and TP-communication phases of one layer, one micro-batch: (fwd, bwd) seconds
-    per category; recompute is charged to backward."""
+    per category; recompute is charged to backward. GEMMs and the attention core from the
+    shapes; element-wise traffic, kernel launches and TP collectives (with what hides them)
+    from the op ledger."""
     w, n, hw, b = st.work, st.n, st.hw, st.layout.micro_batch
+    rc = st.layout.recompute or "none"
+    ledger = w.ledger("lowrank" if rc == "lowrank" else None)
     g_fwd, g_bwd = _gemm_fwd_bwd(w.gemms, n, hw)
     gB_fwd, _ = _gemm_fwd_bwd([gm for gm in w.gemms if gm.kind != "A"], n, hw)
     a_fwd, a_bwd = attention_time(b, st.shape.seq_length, int(w.attn_heads), st.shape.e, hw)
-    el_fwd = sum(elementwise_time(n * x.fwd_bytes, hw) for x in w.elems)
-    el_bwd = sum(elementwise_time(n * x.bwd_bytes, hw) for x in w.elems)
-    c_fwd = _collectives_seconds(st, [c for c in w.collectives if c[0] == "fwd"])
-    c_bwd = _collectives_seconds(st, [c for c in w.collectives if c[0] == "bwd"])
+    el_fwd, el_bwd = (_memory_bound_seconds(ledger, phase, hw) for phase in ("fwd", "bwd"))
+    c_fwd = _ledger_collectives_seconds(st, ledger, "fwd", _gemm_rate(w.gemms, n, hw, False))
+    c_bwd = _ledger_collectives_seconds(st, ledger, "bwd", _gemm_rate(w.gemms, n, hw, True))
     rec, rec_comm = _recompute_cost(st, g_fwd, gB_fwd, a_fwd, el_fwd, c_fwd)
     layer_f = {"gemm": g_fwd, "attention": a_fwd, "elementwise": el_fwd, "tp_comm": c_fwd}
     layer_b = {"gemm": g_bwd, "attention": a_bwd, "elementwise": el_bwd,
@@ -568,20 +527,32 @@ def _step_tail(st: _Setting, params_gpu: float, busiest_total: float) -> Dict[st
             "host": hw.step_overhead_ms * 1e-3}
 
 
+def _saved_per_layer(st: _Setting, recompute: str) -> float:
+    """Bytes one layer keeps for its backward, one micro-batch, from the op ledger: all of it
+    without recompute; without the attention core's under selective recompute; the
+    checkpointed layer's under low-rank recompute; the layer input under full recompute."""
+    ledger = st.work.ledger()
+    if recompute == "none":
+        return ledger.saved_bytes
+    if recompute == "selective":
+        return ledger.saved_bytes - ledger.saved_by_scope.get(CORE_ATTENTION_SCOPE, 0)
+    if recompute == "lowrank":
+        return st.work.ledger("lowrank").saved_bytes
+    return st.n * st.d_loc * BYTES_ACT  # full: the layer's input
+
+
 def _stage_memory(st: _Setting, i: int, nl: int, sp: float) -> Dict[str, float]:
     """GB on one GPU of stage ``i``. 1F1B: stage i keeps the activations of min(m, p - i)
     micro-batches in flight; interleaving (v > 1) adds (p - 1)/(p·v) of that (Megatron's
     estimate)."""
-    w, n, lay = st.work, st.n, st.layout
+    n, lay = st.n, st.layout
     p, v, rc = lay.pp, max(1, lay.vpp or 1), lay.recompute or "none"
-    per_layer = {"none": w.saved, "selective": w.saved - w.saved_attn_out,
-                 "full": w.saved_input, "lowrank": w.saved_lowrank}[rc]
     inflight = float(min(st.m, p - i))
     if v > 1 and p > 1:
         inflight *= 1 + (p - 1) / (p * v)
-    act = n * BYTES_ACT * per_layer * nl * inflight
+    act = _saved_per_layer(st, rc) * nl * inflight
     if rc in ("full", "lowrank"):  # the working set of the one layer being recomputed
-        act += n * BYTES_ACT * w.saved
+        act += st.work.ledger().saved_bytes
     if i == 0:  # embedding output
         act += n * st.d_loc * BYTES_ACT * inflight
     if i == p - 1:  # bf16 logits + fp32 softmax of the vocab-parallel cross entropy

@@ -115,10 +115,11 @@ def fused_kernels() -> FusedKernels:
                         masked_softmax=_imports("scaled_upper_triang_masked_softmax_cuda"))
 
 
-def resolve_fusions(device: str, attention_backend: str,
-                    kernels: FusedKernels) -> Dict[str, Tuple[bool, str]]:
+def resolve_fusions(device: str, attention_backend: str, kernels: FusedKernels,
+                    mode: str = "boost", bias_activation_fusion: Optional[bool] = None
+                    ) -> Dict[str, Tuple[bool, str]]:
     """{megatron config field: (on, why)} for the fusions that depend on the device and the
-    kernels installed (the bias fusions stay off in ``config/resolved.py``: no biases).
+    kernels installed (the bias-dropout fusion stays off in ``config/resolved.py``: no biases).
 
     * ``gradient_accumulation_fusion``: megatron's column/row-parallel linears (the output
       layer in every mode, TE's linears in its layer spec) need apex's wgrad kernel on CUDA.
@@ -129,7 +130,11 @@ def resolve_fusions(device: str, attention_backend: str,
     * ``masked_softmax_fusion``: only megatron's own attention (``local``) has a separate
       softmax to fuse, with megatron's CUDA kernel; SDPA and TE fuse it inside their kernels;
     * ``persist_layer_norm``: apex's persistent kernel is LayerNorm only; every mode here
-      normalises with RMSNorm.
+      normalises with RMSNorm;
+    * ``bias_activation_fusion`` (``model.bias_activation_fusion``, null: by device): full
+      rank's SwiGLU through megatron's jit_fuser (torch.compile), on CUDA; on the CPU the fuser
+      would compile C++ in every process, so only when asked. The bottleneck modes' MLP product
+      is their own fused region (``parallel/fusion.py``), not megatron's.
     """
     cuda = device == "cuda"
     if not cuda:
@@ -148,7 +153,19 @@ def resolve_fusions(device: str, attention_backend: str,
             "masked_softmax_fusion": _masked_softmax(attention_backend, kernels),
         }
     out["persist_layer_norm"] = (False, "RMSNorm: apex's persistent kernel is LayerNorm only")
+    out["bias_activation_fusion"] = _activation_fusion(cuda, mode, bias_activation_fusion)
     return out
+
+
+def _activation_fusion(cuda: bool, mode: str, asked: Optional[bool]) -> Tuple[bool, str]:
+    if str(getattr(mode, "value", mode)) != "full":
+        return False, "megatron's fused SwiGLU is full rank's; the bottleneck MLP fuses its own"
+    if asked is not None:
+        return asked, f"model.bias_activation_fusion={str(asked).lower()}"
+    if cuda:
+        return True, "megatron's fused SwiGLU (jit_fuser)"
+    return False, ("megatron's jit_fuser would compile C++ in every process on the CPU "
+                   "(model.bias_activation_fusion=true asks for it)")
 
 
 def _masked_softmax(attention_backend: str, kernels: FusedKernels) -> Tuple[bool, str]:

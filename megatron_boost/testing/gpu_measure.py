@@ -6,7 +6,9 @@ function ``stage(plan, work)`` run in a process of its own:
    out-of-memory is a reported row.
 7. per-rank layer shapes of cola-1b / cola-7b at TP=1/2/4 (``analysis/rank_shape.py``; a
    layout the trainer refuses is a row saying why): layer time, and the projection GEMMs of the
-   analytic shape timed with device events (``perf/timing.py``); FLOPs from the shape.
+   analytic shape timed with device events (``perf/timing.py``); FLOPs from the shape; beside
+   each, the op ledger of the same layer (kernels, element-wise traffic, copies, saved bytes)
+   and the kernels the profiler counted on the GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from megatron_boost.analysis.rank_shape import (projection_gemms, projection_tra
                                                rank_layout_problem, rank_local_shape,
                                                shape_overrides)
 from megatron_boost.perf.timing import DeviceTimer, projection_gemm_ms
-from megatron_boost.runtime.stages import Row, check, emit, one_line
+from megatron_boost.runtime.stages import Row, check, emit, info, one_line
 from megatron_boost.testing.gpu_stages import (BACKENDS, MODES, Case, Plan,
                                                backend_unavailable, build_trainable,
                                                fail_row, load_config, run_cases, setup_stage,
@@ -175,6 +177,7 @@ def stage_layers(plan: Plan, work: Path) -> None:
 
 
 def _layer_cases(plan: Plan, shape, peak: Optional[float]) -> Iterable[Case]:
+    _measure_ledgers(plan, shape)
     for tp in plan.layer_tps:
         for mode in MODES:
             case = f"{shape.name} tp={tp} {mode} (one rank)"
@@ -188,6 +191,7 @@ def _layer_cases(plan: Plan, shape, peak: Optional[float]) -> Iterable[Case]:
 def _layer_case(plan: Plan, case: str, shape, tp: int, mode: str,
                 peak: Optional[float]) -> None:
     import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_boost.analysis.comm import build_decoder_layer
 
@@ -200,13 +204,16 @@ def _layer_case(plan: Plan, case: str, shape, tp: int, mode: str,
     layer = build_decoder_layer(config).to(plan.device)
     x = torch.randn(seq, mbs, config.hidden_size, device=plan.device,
                     dtype=config.params_dtype, requires_grad=True)  # [s, b, d (boost: d/t)]
+    rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
+                           use_cpu_initialization=True)(seq).to(plan.device)  # as GPTModel's
 
     def step():
-        out = layer(x, attention_mask=None)[0]
+        out = layer(x, attention_mask=None, rotary_pos_emb=rope)[0]
         out.backward(torch.ones_like(out))
 
     timer = DeviceTimer(plan.device)
     layer_ms = timer.median_ms(step, plan.timing_iters)
+    launched = _device_kernels(step, plan.device)
     del layer, x
     gemm_ms = projection_gemm_ms(plan.device, projection_gemms(local, mode), tokens,
                                  config.params_dtype, plan.timing_iters)
@@ -218,3 +225,52 @@ def _layer_case(plan: Plan, case: str, shape, tp: int, mode: str,
                        f"= {tflops:.3g} TFLOP/s{frac} | GEMMs / layer "
                        f"{100 * gemm_ms / layer_ms:.0f}% | d={local.hidden} f={local.ffn} "
                        f"h={local.heads} r={local.r_attn}")
+    info(7, case, _ledger_line(local, mode, plan, config, launched))
+
+
+def _device_kernels(step, device: str) -> Optional[int]:
+    """Kernels one ``step`` launches on the GPU (torch's profiler, CUDA activity); None on the
+    CPU, which launches none."""
+    import torch
+
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _ledger_spec(local, mode: str, plan: Plan, bf16: bool):
+    from megatron_boost.analysis.ledger import LedgerSpec
+
+    seq, mbs = plan.layer_tokens
+    return LedgerSpec(shape=local, mode=mode, tp=1, micro_batch=mbs, seq_length=seq,
+                      dtype="bf16" if bf16 else "fp32")
+
+
+def _measure_ledgers(plan: Plan, shape) -> None:
+    """Every case's op ledger up front, in one child process (this one has a process
+    group); the cases then read them from the cache."""
+    from megatron_boost.analysis.ledger import measure_ledgers
+
+    bf16 = True  # the precision _layer_config gives stage 7
+    measure_ledgers([_ledger_spec(rank_local_shape(shape, mode, tp), mode, plan, bf16)
+                     for tp in plan.layer_tps for mode in MODES
+                     if rank_layout_problem(shape, mode, tp) is None])
+
+
+def _ledger_line(local, mode: str, plan: Plan, config, launched: Optional[int]) -> str:
+    """The op ledger of the same layer (docs/design.md §17) beside what the GPU measured: its
+    kernel count against the profiler's, and its element-wise traffic (the time it takes at
+    the device's measured bandwidth is the first GPU run's to read off the layer time)."""
+    from megatron_boost.analysis.ledger import layer_ledger
+
+    ledger = layer_ledger(_ledger_spec(local, mode, plan, config.bf16))
+    measured = "n/a (no GPU)" if launched is None else str(launched)
+    return (f"op ledger: {ledger.count()} kernels (profiler: {measured}), "
+            f"{ledger.traffic() / 1e6:.1f} MB element-wise + copy, "
+            f"{len(ledger.layout_copies())} layout copies outside attention, "
+            f"saved {ledger.saved_bytes / 2 ** 20:.1f} MiB")

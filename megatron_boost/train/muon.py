@@ -7,8 +7,9 @@ to defines the optimizer: orthogonalising a TP shard, or several projections' fa
 in one parameter, gives a different update (and a different model at every TP size). Here the
 update of every 2-D factor is computed on the projection's *global* matrix (docs/design.md §16):
 
-- the grouped A parameter of a bottleneck group (boost [Σr, d/t], naive [Σr/t, d]) is split into
-  its projections' rows (``BottleneckGroup.factors("A")``), each piece its own matrix;
+- the grouped factors of a bottleneck group (A: boost [Σr, d/t], naive [Σr/t, d]; B: boost
+  [Σ d_out/t, r], naive [Σ d_out, r/t]) are split into their projections' rows
+  (``BottleneckGroup.factors``), each piece its own matrix;
 - a TP-sharded matrix (``partition_dim`` of megatron's TP attributes) is all-gathered over the
   TP group, orthogonalised whole on every rank (the same arithmetic, so the same result), and
   this rank's slice is kept. Low-rank factors are small (r × d), so the gather is cheap and
@@ -100,7 +101,7 @@ class BoostMuon(torch.optim.Optimizer):
         param_groups: megatron's parameter groups (``lr``, ``weight_decay`` set per step by the
             scheduler). They stay megatron's: its checkpoint loader matches groups by their
             multipliers, so a group per split would be confused on resume.
-        factor_rows: ``id`` of a grouped A parameter -> the global rows of its projections.
+        factor_rows: ``id`` of a grouped factor (A or B) -> the global rows of its projections.
         tp_group: the group TP-sharded parameters (``partition_dim``) are sharded over.
     """
 
@@ -182,17 +183,20 @@ def muon_params(ddp_chunks) -> List[torch.Tensor]:
 
 
 def _global_factor_rows(ddp_chunks) -> Dict[int, Tuple[int, ...]]:
-    """id of each grouped A parameter -> its projections' global row counts, read through the
-    layers' ``factors("A")`` views and the parameter's ``partition_dim`` (naive shards the
-    rows). Global, so a checkpoint of any TP size resumes."""
+    """id of each grouped factor (A, B) -> its projections' global row counts, read through the
+    layers' ``factors`` views and the parameter's ``partition_dim`` (naive's A and boost's B
+    shard the rows). Global, so a checkpoint of any TP size resumes."""
     rows = {}
     for chunk in ddp_chunks:
         for module in chunk.modules():
-            if isinstance(module, BottleneckGroup):
-                a = module.A
-                split_rows = getattr(a, "tensor_model_parallel", False) and a.partition_dim == 0
+            if not isinstance(module, BottleneckGroup):
+                continue
+            for which in ("A", "B"):
+                param = getattr(module, which)
+                split_rows = (getattr(param, "tensor_model_parallel", False)
+                              and param.partition_dim == 0)
                 scale = module.tp_size if split_rows else 1
-                rows[id(a)] = tuple(f.shape[0] * scale for f in module.factors("A"))
+                rows[id(param)] = tuple(f.shape[0] * scale for f in module.factors(which))
     return rows
 
 

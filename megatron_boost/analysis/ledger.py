@@ -1,0 +1,857 @@
+"""The per-layer op ledger: what one decoder layer's forward and backward launch and move, on
+one TP rank, at a run's real per-rank shapes (docs/design.md §17).
+
+**How it is measured.** One decoder layer is built exactly as the model builds it
+(:func:`~megatron_boost.analysis.comm.build_decoder_layer`: the mode's layer spec, megatron's
+``TransformerLayer``), with its parameters and inputs as torch ``FakeTensor`` s: every tensor
+has its real shape, dtype, strides and device, and no storage. The process plays TP rank 0 of
+a group of ``t`` ranks of torch's fake process group (collectives are issued, with their real
+sizes, and complete at once). So a 7B layer at B·S = 16384 tokens is measured at its full size,
+exactly, in seconds and without allocating it: nothing is scaled. The layer runs forward, with
+RoPE as the GPT model applies it, and backward, under a ``TorchDispatchMode`` that sees every
+ATen operator autograd issues; each is one entry (:class:`Kernel`) of a class:
+
+* ``gemm``: mm, bmm, addmm, baddbmm (FLOPs 2·M·N·K);
+* ``attention``: the attention core's kernels (SDPA's, flash);
+* ``elementwise``: pointwise and reduction kernels, memsets included;
+* ``cast``: dtype conversions;
+* ``copy``: layout copies: cat, clone, copy_, stack, and the add of a constant 0;
+* ``fused``: a fused region, one kernel on CUDA (below);
+* ``collective``: the c10d collectives, with their bytes, whether they were issued
+  asynchronously, and the GEMM FLOPs issued between an asynchronous one's start and its wait
+  (what can hide it; a synchronous one, or one waited for before any GEMM, is exposed).
+
+Views, allocations and metadata are not kernels. A kernel reads each distinct tensor argument
+once and writes each result (numel × element size; an in-place operator writes its mutated
+argument, ``copy_`` and fills do not read it).
+
+**The CUDA op graph.** The ledger counts what a GPU launches, which is not what the CPU runs
+where the GPU path fuses: the layers' own regions (``parallel/fusion.py``), which megatron's
+``jit_fuser`` compiles into one kernel each on CUDA, and three kernels of megatron and
+Transformer Engine that the CPU cannot run, which the ledger stands in for while it records
+(:data:`CUDA_KERNEL_MODELS`): TE's fused RoPE (``apply_rope_fusion``), a fused RMSNorm (TE's
+``TENorm``, the full and naive norm slots with the TE backend) and megatron's fused SwiGLU
+(``bias_activation_fusion``, full rank). Each is one ``fused`` entry forward and one backward,
+reading its inputs and writing its results; the eager kernels it replaces are counted too
+(``eager_kernels``), so the CPU's own count is also reported.
+
+**Saved activations.** The bytes of the storages autograd keeps for backward
+(``analysis/memory.py``, parameters excluded), with the module that saved each, and the fp32
+ones wider than one value per token listed apart.
+
+**Scopes.** Every entry carries the module of the layer that issued it (``self_attention.
+linear_qkv``, ``mlp``, ``layer`` for the layer's own operators). Backward entries take the
+module whose forward created the autograd node that runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from megatron_boost.analysis.shape import ModelShape, check_mode
+
+__all__ = ["KINDS", "TRAFFIC_KINDS", "Kernel", "CollectiveEntry", "LayerLedger", "LedgerSpec",
+           "CUDA_KERNEL_MODELS", "in_attention", "layer_ledger", "measure_ledgers",
+           "ledger_in_process",
+           "ledger_table", "ledger_json", "spec_label"]
+
+#: The kernel classes, in report order.
+KINDS = ("gemm", "attention", "elementwise", "fused", "cast", "copy", "collective")
+#: The memory-bound classes: "elementwise + copy traffic".
+TRAFFIC_KINDS = ("elementwise", "fused", "cast", "copy")
+#: The attention core's module, and the stand-ins of the kernels of RoPE (identical in every
+#: mode): "outside attention" is the rest, the layer's projections, norms, MLP product,
+#: residual adds and the attention module's own glue (splitting q, k, v).
+CORE_ATTENTION_SCOPE = "self_attention.core_attention"
+ROPE_KERNELS = ("rope", "rope_backward")
+
+
+def in_attention(kernel: "Kernel") -> bool:
+    """Whether a kernel is the attention core's or RoPE's."""
+    return kernel.scope == CORE_ATTENTION_SCOPE or kernel.name in ROPE_KERNELS
+
+#: The stand-ins for CUDA kernels the CPU cannot run (module docstring).
+CUDA_KERNEL_MODELS = {
+    "rope": "Transformer Engine's fused RoPE (megatron's apply_rope_fusion): one kernel forward "
+            "and one backward per tensor",
+    "rms_norm": "a fused RMSNorm (Transformer Engine's TENorm; torch's fused rms_norm): one "
+                "kernel forward and one backward",
+    "swiglu": "megatron's fused SwiGLU (bias_activation_fusion, jit_fuser): one kernel forward "
+              "and one backward",
+    "attention": "a flash attention kernel (FlashAttention-2, cuDNN, Transformer Engine) in "
+                 "place of the CPU's SDPA: its output and gradients in the layouts of q, k, v, "
+                 "and the fp32 log-sum-exp kept for backward",
+}
+
+
+@dataclass
+class Kernel:
+    """One kernel of the layer's forward or backward."""
+
+    phase: str
+    """'fwd' or 'bwd'."""
+    kind: str
+    """One of :data:`KINDS`."""
+    name: str
+    """The ATen operator, or the fused region."""
+    scope: str
+    """The module of the layer that issued it ('layer': the layer's own operators)."""
+    read: int
+    write: int
+    flops: float = 0.0
+    eager_kernels: int = 1
+    """Kernels the CPU's eager path launches for it (a fused region's operators)."""
+    shapes: Tuple[tuple, ...] = ()
+    dtype: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.write
+
+
+@dataclass
+class CollectiveEntry:
+    """One collective of the layer, with what may hide it."""
+
+    phase: str
+    kind: str
+    scope: str
+    bytes: int
+    width: int
+    async_op: bool
+    overlap_flops: float
+    """GEMM FLOPs issued between its start and its wait (0 for a synchronous one)."""
+    overlap_bytes: int
+    """Bytes moved by the other kernels issued between its start and its wait."""
+
+    @property
+    def exposed(self) -> bool:
+        """Nothing can run beside it: synchronous, or waited for before any GEMM."""
+        return not self.async_op or self.overlap_flops == 0
+
+
+@dataclass
+class LayerLedger:
+    """The ledger of one decoder layer on one TP rank (module docstring)."""
+
+    spec: "LedgerSpec"
+    kernels: List[Kernel]
+    collectives: List[CollectiveEntry]
+    saved_bytes: int
+    saved_by_scope: Dict[str, int]
+    saved_fp32_wide: List[Dict[str, Any]]
+    """fp32 storages saved for backward with more than one value per token."""
+
+    @property
+    def tokens(self) -> int:
+        return self.spec.micro_batch * self.spec.seq_length
+
+    def select(self, phase: Optional[str] = None, kind: Optional[str] = None,
+               outside_attention: bool = False) -> List[Kernel]:
+        return [k for k in self.kernels
+                if (phase is None or k.phase == phase) and (kind is None or k.kind == kind)
+                and not (outside_attention and in_attention(k))]
+
+    def count(self, phase=None, kind=None, outside_attention=False) -> int:
+        return len(self.select(phase, kind, outside_attention))
+
+    def bytes(self, phase=None, kind=None, outside_attention=False) -> int:
+        return sum(k.bytes for k in self.select(phase, kind, outside_attention))
+
+    def traffic(self, phase=None, outside_attention=False) -> int:
+        """Bytes of the memory-bound kernels (:data:`TRAFFIC_KINDS`)."""
+        return sum(self.bytes(phase, kind, outside_attention) for kind in TRAFFIC_KINDS)
+
+    def layout_copies(self, outside_attention: bool = True) -> List[Kernel]:
+        """The layout copies (class ``copy``), by default those outside the attention core and
+        megatron's RoPE."""
+        return self.select(kind="copy", outside_attention=outside_attention)
+
+    def gemm_flops(self, phase=None) -> float:
+        return sum(k.flops for k in self.select(phase, "gemm"))
+
+    def eager_count(self, phase=None) -> int:
+        return sum(k.eager_kernels for k in self.select(phase))
+
+    def summary(self) -> Dict[str, Any]:
+        """Per phase and class: kernels, bytes read and written; totals; collectives; saved."""
+        out: Dict[str, Any] = {}
+        for phase in ("fwd", "bwd", None):
+            key = phase or "total"
+            out[key] = {kind: {"kernels": self.count(phase, kind),
+                               "read": sum(k.read for k in self.select(phase, kind)),
+                               "write": sum(k.write for k in self.select(phase, kind))}
+                        for kind in KINDS}
+            out[key]["kernels"] = self.count(phase)
+            out[key]["eager_kernels"] = self.eager_count(phase)
+            out[key]["traffic_bytes"] = self.traffic(phase)
+            out[key]["gemm_flops"] = self.gemm_flops(phase)
+        out["traffic_bytes_outside_attention"] = self.traffic(outside_attention=True)
+        out["kernels_outside_attention"] = self.count(outside_attention=True)
+        out["layout_copies_outside_attention"] = len(self.layout_copies())
+        out["collectives_exposed"] = sum(c.exposed for c in self.collectives)
+        out["collectives_exposed_bytes"] = sum(c.bytes for c in self.collectives if c.exposed)
+        out["saved_bytes"] = self.saved_bytes
+        out["saved_fp32_wide_bytes"] = sum(s["bytes"] for s in self.saved_fp32_wide)
+        return out
+
+    def to_dict(self) -> Dict[str, Any]:
+        spec = dataclasses.asdict(self.spec)
+        return {"spec": spec, "tokens": self.tokens, "summary": self.summary(),
+                "collectives": [dataclasses.asdict(c) | {"exposed": c.exposed}
+                                for c in self.collectives],
+                "saved_by_scope": self.saved_by_scope, "saved_fp32_wide": self.saved_fp32_wide,
+                "kernels": [dataclasses.asdict(k) for k in self.kernels]}
+
+
+@dataclass(frozen=True)
+class LedgerSpec:
+    """What to measure: one layer of ``shape`` in ``mode`` on one of ``tp`` ranks."""
+
+    shape: ModelShape
+    mode: str = "boost"
+    tp: int = 1
+    micro_batch: int = 1
+    seq_length: int = 2048
+    dtype: str = "bf16"
+    sequence_parallel: bool = False
+    """Full rank: megatron's sequence parallelism."""
+    recompute: Optional[str] = None
+    """The layer's recompute policy: None or 'lowrank' (the bottleneck modes' layer-level one)."""
+    overlap_chunks: int = 1
+    """``parallel.bottleneck_overlap_chunks`` (boost)."""
+    bias_activation_fusion: Optional[bool] = None
+    """Full rank's fused SwiGLU; None: as a CUDA run resolves it (on)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# classification
+# ---------------------------------------------------------------------------------------------
+
+_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}
+_NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                "detach", "alias", "lift_fresh", "lift_fresh_copy", "_unsafe_view",
+                "_reshape_alias", "view", "resize_", "set_", "_local_scalar_dense"}
+_COPIES = {"cat", "clone", "copy_", "stack", "contiguous", "slice_backward",
+           "select_backward", "index_put_", "_to_copy_layout"}
+_OVERWRITE = {"copy_", "fill_", "zero_", "normal_", "uniform_"}
+
+
+def _tensors(tree) -> List:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _distinct(tensors) -> List:
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _is_zero(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
+
+
+def _kind(func, args, out) -> Optional[str]:
+    """The class of an ATen operator, or None when it launches no kernel."""
+    name = func.overloadpacket.__name__
+    if func.namespace == "c10d":
+        return "collective"
+    if func.namespace != "aten" or name in _NOT_KERNELS or getattr(func, "is_view", False):
+        return None
+    if name in _GEMMS:
+        return "gemm"
+    if "attention" in name or "flash" in name:
+        return "attention"
+    if name == "_to_copy":
+        return "cast" if _tensors(out)[0].dtype != _tensors(args)[0].dtype else "copy"
+    if name in _COPIES:
+        return "copy"
+    if name in ("add", "sub") and len(args) > 1 and _is_zero(args[1]):
+        return "copy"  # x + 0: a copy of x
+    return "elementwise"
+
+
+def _gemm_flops(func, args) -> float:
+    name = func.overloadpacket.__name__
+    mats = [t for t in _tensors(args) if t.dim() >= 2]
+    a, b = mats[-2], mats[-1]
+    batch = a.shape[0] if a.dim() == 3 else 1
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if name == "addbmm":
+        batch = a.shape[0]
+    return 2.0 * batch * m * n * k
+
+
+# ---------------------------------------------------------------------------------------------
+# scopes: forward by module hooks, backward by the autograd nodes each module created
+# ---------------------------------------------------------------------------------------------
+
+_SCOPE_KEY = "megatron_boost_ledger_scope"
+
+
+class _Scopes:
+    """The module scope of the operator now running, forward and backward."""
+
+    def __init__(self, layer):
+        self.stack: List[str] = ["layer"]
+        self.backward_scope = "layer"
+        self._handles = []
+        for name, module in layer.named_modules():
+            scope = name or "layer"
+            self._handles.append(module.register_forward_pre_hook(self._enter(scope)))
+            self._handles.append(module.register_forward_hook(self._leave(scope)))
+
+    @property
+    def current(self) -> str:
+        import torch
+
+        return self.backward_scope if torch._C._current_graph_task_id() != -1 else self.stack[-1]
+
+    def _enter(self, scope: str):
+        def hook(module, args):
+            # autograd nodes behind the inputs, not yet claimed, were created by the enclosing
+            # scope's own operators
+            self._claim(_tensors(args), self.stack[-1])
+            self.stack.append(scope)
+        return hook
+
+    def _leave(self, scope: str):
+        def hook(module, args, output):
+            self._claim(_tensors(output), scope)
+            self.stack.pop()
+        return hook
+
+    def _claim(self, tensors, scope: str) -> None:
+        """Tag every untagged autograd node behind ``tensors`` with ``scope`` (stopping at
+        tagged ones: an inner module's, or an earlier one's) and make each set the backward
+        scope when it runs."""
+        todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or _SCOPE_KEY in node.metadata:
+                continue
+            node.metadata[_SCOPE_KEY] = scope
+            if type(node).__name__ != "AccumulateGrad":
+                node.register_prehook(self._backward_enter(scope))
+            todo.extend(fn for fn, _ in node.next_functions)
+
+    def _backward_enter(self, scope: str):
+        def prehook(grad_outputs):
+            self.backward_scope = scope
+        return prehook
+
+    def close(self, outputs) -> None:
+        self._claim(_tensors(outputs), "layer")
+        for h in self._handles:
+            h.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# the recorder
+# ---------------------------------------------------------------------------------------------
+
+
+def _phase() -> str:
+    import torch
+
+    return "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+
+
+def _recorder_class():
+    """The dispatch-mode recorder (defined on first use: torch is imported lazily)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_boost.parallel.fusion import RegionObserver
+
+    class Recorder(TorchDispatchMode, RegionObserver):
+        def __init__(self, scopes: _Scopes):
+            super().__init__()
+            self.scopes = scopes
+            self.kernels: List[Kernel] = []
+            self._regions: List[List[Kernel]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            kind = _kind(func, args, out)
+            if kind is not None:
+                self._add(self._kernel(func, kind, args, kwargs, out))
+            return out
+
+        def _kernel(self, func, kind, args, kwargs, out) -> Kernel:
+            reads, writes = _traffic(func, args, kwargs, out)
+            outs = _tensors(out) or writes
+            return Kernel(phase=_phase(), kind=kind, name=str(func), scope=self.scopes.current,
+                          read=sum(_nbytes(t) for t in reads),
+                          write=sum(_nbytes(t) for t in writes),
+                          flops=_gemm_flops(func, args) if kind == "gemm" else 0.0,
+                          shapes=tuple(tuple(t.shape) for t in _tensors(args)[:3]),
+                          dtype=str(outs[0].dtype).replace("torch.", "") if outs else "")
+
+        def _add(self, kernel: Kernel) -> None:
+            (self._regions[-1] if self._regions else self.kernels).append(kernel)
+
+        # RegionObserver
+        def enter(self, name: str) -> None:
+            self._regions.append([])
+
+        def exit(self, name: str, args: tuple, result: Any, kind: str = "fused") -> None:
+            inner = self._regions.pop()
+            outs = _distinct(_tensors(result))
+            self._add(Kernel(
+                phase=_phase(), kind=kind, name=name, scope=self.scopes.current,
+                read=sum(_nbytes(t) for t in _distinct(_tensors(args))),
+                write=sum(_nbytes(t) for t in outs), eager_kernels=len(inner),
+                shapes=tuple(tuple(t.shape) for t in _distinct(_tensors(args))[:3]),
+                dtype=str(outs[0].dtype).replace("torch.", "") if outs else ""))
+
+    return Recorder
+
+
+def _traffic(func, args, kwargs, out) -> Tuple[List, List]:
+    """(tensors read, tensors written) by one operator: it writes its mutated arguments (in
+    place, ``out=``) or else its results, and reads every other tensor argument, and the
+    mutated ones it updates (``add_``) but not those it only overwrites (``copy_``, fills,
+    ``out=``)."""
+    schema = func._schema
+    mutated, overwritten = [], []
+    overwrite_only = func.overloadpacket.__name__ in _OVERWRITE
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
+        mutated += _tensors(value)
+        if arg.kwarg_only or overwrite_only:
+            overwritten += _tensors(value)
+    reads = [t for t in _distinct(_tensors((args, kwargs)))
+             if not any(t is w for w in overwritten)]
+    writes = _distinct(mutated) if mutated else _distinct(_tensors(out))
+    return reads, writes
+
+
+# ---------------------------------------------------------------------------------------------
+# stand-ins for the CUDA kernels the CPU cannot run
+# ---------------------------------------------------------------------------------------------
+
+
+def _modeled_kernel(name: str, fn: Callable, linear: bool = False):
+    """``fn`` as one fused kernel forward and one backward, as the CUDA kernel it stands for:
+    forward, a region reading its tensor arguments and writing its result; backward, a region
+    computing the vector-Jacobian product of ``fn`` (at a zero input when ``fn`` is linear in
+    its first argument, so that nothing but the other arguments is saved, as TE's fused RoPE
+    saves only the frequencies)."""
+    import torch
+
+    from megatron_boost.parallel.fusion import observed_call
+
+    def differentiable(args):
+        return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    class _Kernel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, n_args, *flat):
+            args = flat[:n_args]
+            ctx.n_args = n_args
+            ctx.grad_of = differentiable(args)
+            kept = [a if isinstance(a, torch.Tensor) else None for a in args]
+            if linear:
+                kept[0] = torch.empty_like(args[0])  # shape only: the vjp of a linear map
+            ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
+            ctx.save_for_backward(*[k for k in kept if k is not None])
+            ctx.tensor_pos = [i for i, k in enumerate(kept) if k is not None]
+            with torch.no_grad():
+                return observed_call(name, fn, *args)
+
+        @staticmethod
+        def backward(ctx, grad):
+            saved = dict(zip(ctx.tensor_pos, ctx.saved_tensors))
+            args = [saved.get(i, ctx.others[i]) for i in range(ctx.n_args)]
+
+            def vjp(*tensors_and_grad):
+                *inputs, g = tensors_and_grad
+                with torch.enable_grad():
+                    live = list(args)
+                    for i, t in zip(ctx.grad_of, inputs):
+                        live[i] = t.detach().requires_grad_(True)
+                    out = fn(*live)
+                    grads = torch.autograd.grad(out, [live[i] for i in ctx.grad_of], g)
+                # a kernel writes its result into a fresh, dense tensor
+                return tuple(t.contiguous() for t in grads)
+
+            grads = observed_call(f"{name}_backward", vjp,
+                                  *[args[i] for i in ctx.grad_of], grad)
+            full = [None] * ctx.n_args
+            for i, g in zip(ctx.grad_of, grads):
+                full[i] = g
+            return (None, *full)
+
+    def call(*args):
+        return _Kernel.apply(len(args), *args)
+
+    return call
+
+
+def _modeled_attention(sdpa: Callable):
+    """torch's SDPA as the flash kernel a GPU runs (FlashAttention-2, cuDNN, TE): one kernel
+    forward writing the output in the layout of q (and the fp32 log-sum-exp [b, h, s] it
+    keeps), one kernel backward reading q, k, v, the output, the log-sum-exp and the gradient
+    and writing dq, dk, dv in the layouts of q, k, v. (The CPU's kernel returns its gradients
+    in its own layout, which megatron's [s, b, h, e] views would then copy.)"""
+    import functools
+
+    import torch
+
+    from megatron_boost.parallel.fusion import observed_call
+
+    def like(ref, t):  # a kernel allocating its result as its input (empty_like) writes there
+        return torch.empty_like(ref).copy_(t)
+
+    class _Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, call):
+            out = observed_call("attention", lambda q, k, v: like(q, call(q, k, v)), q, k, v,
+                                kind="attention")
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # [b, h, s]
+            ctx.call = call
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            def vjp(q, k, v, out, lse, g):
+                with torch.enable_grad():
+                    live = [t.detach().requires_grad_(True) for t in (q, k, v)]
+                    grads = torch.autograd.grad(ctx.call(*live), live, g)
+                return tuple(like(ref, t) for ref, t in zip((q, k, v), grads))
+
+            dq, dk, dv = observed_call("attention_backward", vjp, *ctx.saved_tensors, grad,
+                                       kind="attention")
+            return dq, dk, dv, None
+
+    def call(q, k, v, **kwargs):
+        return _Attention.apply(q, k, v, functools.partial(sdpa, **kwargs))
+
+    return call
+
+
+@contextlib.contextmanager
+def _cuda_kernel_models() -> Iterator[None]:
+    """While the ledger records: megatron's unfused RoPE, torch's RMSNorm and megatron's
+    compiled SwiGLU replaced by the stand-ins of :data:`CUDA_KERNEL_MODELS` (process-wide, as
+    ``record_collectives`` replaces the collectives; undone on exit)."""
+    import functools
+
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_boost.parallel.fusion import observed_call
+
+    def eager(fn):  # megatron's jit_fuser'd functions: the function it compiled
+        return getattr(fn, "_torchdynamo_orig_callable", None) or getattr(fn, "__wrapped__", fn)
+
+    swiglu, swiglu_back = eager(fused_bias_swiglu.swiglu), eager(fused_bias_swiglu.swiglu_back)
+    rope = rope_utils._apply_rotary_pos_emb_bshd
+    norm = _modeled_kernel("rms_norm", torch.rms_norm)  # ATen's: F.rms_norm is replaced
+
+    def modeled_rope(t, freqs, **options):  # the options are flags and numbers
+        return _modeled_kernel("rope", functools.partial(rope, **options), linear=True)(t, freqs)
+
+    def modeled_norm(input, normalized_shape, weight=None, eps=None):  # F.rms_norm's signature
+        return norm(input, tuple(normalized_shape), weight, eps)
+
+    replaced = [
+        (rope_utils, "_apply_rotary_pos_emb_bshd", modeled_rope),
+        (F, "rms_norm", modeled_norm),
+        (F, "scaled_dot_product_attention",
+         _modeled_attention(F.scaled_dot_product_attention)),
+        (fused_bias_swiglu, "swiglu", lambda y: observed_call("swiglu", swiglu, y)),
+        (fused_bias_swiglu, "swiglu_back",
+         lambda g, y: observed_call("swiglu_backward", swiglu_back, g, y)),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replaced]
+    try:
+        for owner, name, fn in replaced:
+            setattr(owner, name, fn)
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# building and running one layer
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_config(spec: LedgerSpec):
+    """The run configuration of ``spec``: its shape, mode, layout and precision."""
+    from megatron_boost.config.run import ModelConfig, RunConfig
+
+    shape = spec.shape
+    cfg = RunConfig()
+    cfg.model = ModelConfig(
+        num_layers=1, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn,
+        num_attention_heads=shape.heads, num_query_groups=shape.query_groups,
+        kv_channels=shape.head_dim, vocab_size=shape.vocab or 32000,
+        seq_length=spec.seq_length, attn_rank=shape.attn_rank, mlp_rank=shape.mlp_rank,
+        bottleneck_activation=shape.bottleneck_activation,
+        mlp_gate_activation=shape.mlp_gate_activation, attention_backend="sdpa",
+        bias_activation_fusion=(spec.bias_activation_fusion
+                                if check_mode(spec.mode).name == "FULL" else None))
+    cfg.parallel.mode, cfg.parallel.tp = check_mode(spec.mode).value, spec.tp
+    cfg.parallel.sequence_parallel = spec.sequence_parallel
+    cfg.parallel.bottleneck_overlap_chunks = spec.overlap_chunks
+    cfg.training.micro_batch_size = spec.micro_batch
+    cfg.training.global_batch_size = spec.micro_batch
+    cfg.training.precision = spec.dtype
+    cfg.training.recompute = spec.recompute
+    cfg.training.device = "cpu"
+    return cfg.validate()
+
+
+def _cuda_fusions(spec: LedgerSpec):
+    """The fusion settings a CUDA run with Transformer Engine resolves for ``spec`` (the ledger
+    counts the CUDA op graph); RoPE's and the norms' fused kernels are the stand-ins."""
+    from megatron_boost.runtime.backends import FusedKernels, resolve_fusions
+
+    fusions = resolve_fusions("cuda", "te", FusedKernels(te=True), mode=spec.mode,
+                              bias_activation_fusion=spec.bias_activation_fusion)
+    # the stand-in replaces TE's RoPE kernel, which the CPU cannot call
+    fusions["apply_rope_fusion"] = (False, "the ledger's stand-in for TE's fused RoPE")
+    return tuple((name, on, why) for name, (on, why) in fusions.items())
+
+
+@contextlib.contextmanager
+def _fake_tp_group(tp: int) -> Iterator[Any]:
+    """This process as TP rank 0 of ``tp`` ranks of torch's fake process group, with
+    megatron's parallel state over it; both torn down on exit."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the op ledger needs a process without a process group (it plays "
+                           "one rank of a fake one); run it from a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 create_gloo_process_groups=False)
+        yield parallel_state.get_tensor_model_parallel_group()
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _build(spec: LedgerSpec):
+    """(layer, rotary embedding, transformer config) of ``spec``, parameters uninitialised
+    (the ledger's tensors are fake)."""
+    import dataclasses as dc
+
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_boost.analysis.comm import build_decoder_layer
+    from megatron_boost.config.resolved import resolve_run, to_transformer_config
+
+    cfg = _run_config(spec)
+    run = resolve_run(cfg, vocab_size=cfg.model.vocab_size)
+    run = dc.replace(run, fusions=_cuda_fusions(spec))
+    config = to_transformer_config(run, perform_initialization=False)
+    default = torch.get_default_dtype()
+    # every parameter in the run's dtype, as megatron's Float16Module leaves the model it wraps
+    # (a FakeTensor parameter cannot be converted after the fact)
+    torch.set_default_dtype(config.params_dtype)
+    try:
+        layer = build_decoder_layer(config)
+    finally:
+        torch.set_default_dtype(default)
+    layer.train()
+    rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0,
+                           rotary_base=cfg.model.rotary_base, use_cpu_initialization=True)
+    return layer, rope, config
+
+
+def _collective_entries(kernels: List[Kernel], log) -> List[CollectiveEntry]:
+    """Each recorded collective with its kernel's scope and what ran before its wait."""
+    at = [i for i, k in enumerate(kernels) if k.kind == "collective"]
+    if len(at) != len(log.records):
+        raise RuntimeError(f"op ledger: {len(at)} collective kernels but {len(log.records)} "
+                           f"recorded collectives")
+    out = []
+    for index, rec in zip(at, log.records):
+        end = rec.waited_at if rec.waited_at is not None else len(kernels)
+        between = kernels[index + 1:end] if rec.async_op else []
+        out.append(CollectiveEntry(
+            phase=rec.direction, kind=rec.kind, scope=kernels[index].scope, bytes=rec.nbytes,
+            width=rec.width, async_op=rec.async_op,
+            overlap_flops=sum(k.flops for k in between),
+            overlap_bytes=sum(k.bytes for k in between if k.kind != "collective")))
+    return out
+
+
+def _fp32_wide(saved, tokens: int) -> List[Dict[str, Any]]:
+    """The fp32 activations [s, b, w > 1] or [s·b, w > 1] saved (one value per token, like
+    1/rms, is not; nor RoPE's frequencies [s, 1, 1, e], one row per position)."""
+    import torch
+
+    def per_token(shape) -> bool:
+        rows = shape[0] * shape[1] if len(shape) == 3 else shape[0] if len(shape) == 2 else 0
+        return rows == tokens and shape[-1] > 1
+
+    return [{"scope": s.label, "shape": list(s.shape), "bytes": s.nbytes}
+            for s in saved.storages.values()
+            if s.dtype == torch.float32 and per_token(s.shape)]
+
+
+def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
+    """Measure ``spec`` in this process (which must have no process group)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.analysis.memory import SavedActivations
+    from megatron_boost.parallel.fusion import observe_regions
+
+    with _fake_tp_group(spec.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True):
+        layer, rope, config = _build(spec)
+        width = config.hidden_size // spec.tp if spec.mode == "boost" else config.hidden_size
+        seq = spec.seq_length // spec.tp if spec.sequence_parallel else spec.seq_length
+        x = torch.empty(seq, spec.micro_batch, width, dtype=config.params_dtype,
+                        requires_grad=True)
+        freqs = rope(spec.seq_length)  # [s, 1, 1, e], as GPTModel hands it to its layers
+        scopes = _Scopes(layer)
+        recorder = _recorder_class()(scopes)
+        with _cuda_kernel_models(), observe_regions(recorder), \
+                record_collectives(tp_group, clock=lambda: len(recorder.kernels)) as log:
+            with SavedActivations(exclude=layer.parameters(),
+                                  label=lambda: scopes.current) as saved, recorder:
+                out = layer(x, attention_mask=None, rotary_pos_emb=freqs)[0]
+                scopes.close(out)
+            grad = torch.empty_like(out)
+            with recorder:
+                out.backward(grad)
+    by_scope: Dict[str, int] = {}
+    for s in saved.storages.values():
+        by_scope[s.label] = by_scope.get(s.label, 0) + s.nbytes
+    return LayerLedger(spec=spec, kernels=recorder.kernels,
+                       collectives=_collective_entries(recorder.kernels, log),
+                       saved_bytes=saved.bytes, saved_by_scope=by_scope,
+                       saved_fp32_wide=_fp32_wide(saved, seq * spec.micro_batch))
+
+
+_CACHE: Dict[LedgerSpec, LayerLedger] = {}
+
+
+def _measured_here(spec: LedgerSpec) -> LayerLedger:
+    from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found, use_cpu
+
+    with cpu_mode_left_as_found():
+        use_cpu(force=True)
+        return ledger_in_process(spec)
+
+
+def _child(specs: List[LedgerSpec], queue) -> None:
+    try:
+        queue.put(("ok", [_measured_here(spec) for spec in specs]))
+    except BaseException as err:  # reported to the parent, which raises it
+        queue.put(("error", f"{type(err).__name__}: {err}"))
+
+
+def _measured_in_child(specs: List[LedgerSpec], timeout: float = 600.0) -> List[LayerLedger]:
+    """:func:`ledger_in_process` of each spec in one spawned process of its own, for a caller
+    whose process already has a process group (a rank of the GPU check); the child ends
+    before this returns."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(specs, queue))
+    proc.start()
+    try:
+        status, payload = queue.get(timeout=timeout)
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status != "ok":
+        raise RuntimeError(f"op ledger: {payload}")
+    return payload
+
+
+def measure_ledgers(specs: Sequence[LedgerSpec]) -> List[LayerLedger]:
+    """The ledgers of ``specs``, each measured once per process: here
+    (:func:`ledger_in_process`), or, when this process has a process group already, all the
+    missing ones in one child process."""
+    import torch.distributed as dist
+
+    missing = list(dict.fromkeys(s for s in specs if s not in _CACHE))
+    if missing and dist.is_available() and dist.is_initialized():
+        _CACHE.update(zip(missing, _measured_in_child(missing)))
+    for spec in missing:
+        if spec not in _CACHE:
+            _CACHE[spec] = _measured_here(spec)
+    return [_CACHE[spec] for spec in specs]
+
+
+def layer_ledger(spec: LedgerSpec) -> LayerLedger:
+    """The ledger of ``spec`` (:func:`measure_ledgers`)."""
+    return measure_ledgers([spec])[0]
+
+
+def ledger_table(ledgers: Sequence[Any]) -> str:
+    """The ledgers side by side, one row per layer (the tool's and docs' table); each a
+    :class:`LayerLedger` or its :meth:`LayerLedger.to_dict` (a JSON file's entry)."""
+    gb, gib = 1e9, 2 ** 30
+    lines = ["| layer | tp | kernels fwd+bwd (CPU eager) | GEMMs | GEMM TFLOP | "
+             "elementwise+copy GB (fwd / bwd) | outside attention GB | layout copies "
+             "outside attention | collectives (exposed: count, MiB) | saved GiB | "
+             "fp32 [T, >1] saved GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for lg in ledgers:
+        entry = lg.to_dict() if isinstance(lg, LayerLedger) else lg
+        spec, s = entry["spec"], entry["summary"]
+        lines.append(
+            f"| {spec_label(spec)} | {spec['tp']} | {s['total']['kernels']} "
+            f"({s['total']['eager_kernels']}) | {s['total']['gemm']['kernels']} | "
+            f"{s['total']['gemm_flops'] / 1e12:.2f} | {s['total']['traffic_bytes'] / gb:.2f} "
+            f"({s['fwd']['traffic_bytes'] / gb:.2f} / {s['bwd']['traffic_bytes'] / gb:.2f}) | "
+            f"{s['traffic_bytes_outside_attention'] / gb:.2f} | "
+            f"{s['layout_copies_outside_attention']} | {len(entry['collectives'])} "
+            f"({s['collectives_exposed']}: {s['collectives_exposed_bytes'] / 2 ** 20:.0f}) | "
+            f"{s['saved_bytes'] / gib:.2f} | "
+            f"{s['saved_fp32_wide_bytes'] / gib:.2f} |")
+    return "\n".join(lines)
+
+
+def spec_label(spec: Any) -> str:
+    """The layer's name in the tables: its mode, ``+sp`` with sequence parallelism, the
+    pipelined all-reduce's chunks and the recompute where they are not the default. ``spec``:
+    a :class:`LedgerSpec` or its dict (a JSON file's)."""
+    get = spec.get if isinstance(spec, dict) else lambda key: getattr(spec, key)
+    label = check_mode(get("mode")).value + ("+sp" if get("sequence_parallel") else "")
+    if get("overlap_chunks") > 1:
+        label += f" ({get('overlap_chunks')} chunks)"
+    if get("recompute"):
+        label += f" ({get('recompute')} recompute)"
+    return label
+
+
+def ledger_json(ledgers: Sequence[LayerLedger]) -> str:
+    return json.dumps([lg.to_dict() for lg in ledgers], indent=1, default=str)
