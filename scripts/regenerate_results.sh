@@ -4,7 +4,8 @@
 #   scripts/regenerate_results.sh                 # everything (about 10 minutes on 2 CPU cores)
 #   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision, demo,
 #                                                 # paper (the paper table's CPU dry run), ckpt,
-#                                                 # optimizers, ledger, ledger-before
+#                                                 # optimizers, ledger, ledger-before,
+#                                                 # bench-before
 # `demo` runs scripts/demo.sh (set-up included: run it in a fresh clone to time a new user's
 # first command) and keeps its key lines in docs/results/demo.txt.
 # The CPU benchmark measures ratios side by side in one sitting; run it on a quiet machine.
@@ -29,7 +30,7 @@ for item in $what; do
       # Without recompute: full (the BOOST paper's baseline, no sequence parallelism), full+sp
       # (megatron's), naive, boost at TP=2 and the single-process row.
       python tools/benchmark.py --config configs/bench-cpu.yaml --tp 2 \
-        --modes full,full+sp,naive,boost --single --steps 10 --warmup 2 \
+        --modes full,full+sp,full+swiglu,naive,boost --single --steps 10 --warmup 2 \
         --json "$out/bench-cpu-tp2.json" --png docs/bench-cpu-tp2.png
       # Right after, the bottleneck modes with low-rank activation checkpointing.
       python tools/benchmark.py --config configs/bench-cpu.yaml --tp 2 --modes naive,boost \
@@ -72,6 +73,11 @@ for item in $what; do
         training.device=cpu --json "$out/layer-ops-paper-7b-chunks2.json"
       python tools/layer_ops.py --config configs/paper-1b.yaml --tp 1 --modes full,naive,boost \
         training.device=cpu --json "$out/layer-ops-paper-1b-tp1.json" ;;
+    bench-before)
+      # This checkout's CPU benchmark against the layers before the lean boost step
+      # (commit 5398f43), run in turn three times.
+      python scripts/bench_against_commit.py --commit 5398f43 --runs 3 \
+        --out "$out/bench-cpu-tp2-before-after.txt" ;;
     ledger-before)
       # The same ledgers of the layers as they were before the lean boost step (commit 5398f43:
       # online norm in eager fp32, fused-layout copies, megatron's unfused SwiGLU), measured by
@@ -93,7 +99,7 @@ for item in $what; do
     precision)
       python tools/precision_check.py --config configs/debug.yaml --tp 2 \
         > "$out/precision-debug-tp2.txt" ;;
-    *) echo "error: unknown item '$item' (known: bench comm perf precision demo paper ckpt optimizers ledger ledger-before)" >&2; exit 2 ;;
+    *) echo "error: unknown item '$item' (known: bench comm perf precision demo paper ckpt optimizers ledger ledger-before bench-before)" >&2; exit 2 ;;
   esac
 done
 activate

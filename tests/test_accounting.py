@@ -311,14 +311,15 @@ def test_benchmark_cli_end_to_end(tmp_path):
     png = tmp_path / "bench.png"
     r = subprocess.run(
         [sys.executable, "tools/benchmark.py", "--config", "configs/debug.yaml", "--tp", "2",
-         "--modes", "full,full+sp,naive,boost", "--steps", "2", "--warmup", "1", "--single",
+         "--modes", "full,full+sp,full+swiglu,naive,boost", "--steps", "2", "--warmup", "1",
+         "--single",
          "--json", str(out), "--png", str(png)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(out.read_text())
     rows = rep["modes"]
-    assert set(rows) == {"full TP=2", "full+sp TP=2", "naive TP=2", "boost TP=2",
-                         "boost TP=1 single (2 thr)"}
+    assert set(rows) == {"full TP=2", "full+sp TP=2", "full+swiglu TP=2", "naive TP=2",
+                         "boost TP=2", "boost TP=1 single (2 thr)"}
     for label, row in rows.items():
         assert ROW_FIELDS <= set(row), (label, ROW_FIELDS - set(row))
         assert len(row["step_times_s"]) == 2 and row["step_time_median_s"] > 0
@@ -334,14 +335,19 @@ def test_benchmark_cli_end_to_end(tmp_path):
     assert (full_sp["saved_activation_bytes_per_microbatch"]
             < full["saved_activation_bytes_per_microbatch"])
     assert full_sp["loss_last"] == pytest.approx(full["loss_last"], rel=1e-4)
+    # full+swiglu: the paper's layout with megatron's fused SwiGLU, the same function
+    swiglu = rows["full+swiglu TP=2"]
+    assert (swiglu["fused_swiglu"], full["fused_swiglu"]) == (True, False)
+    assert not swiglu["sequence_parallel"]
+    assert swiglu["loss_last"] == pytest.approx(full["loss_last"], rel=1e-4)
     assert rows["naive TP=2"]["loss_last"] == pytest.approx(rows["boost TP=2"]["loss_last"],
                                                            rel=1e-4)
     assert set(rep["ratios"]) == {"boost/naive speed", "boost/full speed",
-                                  "boost/full+sp speed", "boost/strongest full speed",
-                                  "boost TP time / single time"}
-    # the strongest full-rank layout is the faster one: the smaller speed-up of boost
+                                  "boost/full+sp speed", "boost/full+swiglu speed",
+                                  "boost/strongest full speed", "boost TP time / single time"}
+    # the strongest full-rank layout is the fastest one: the smallest speed-up of boost
     assert rep["ratios"]["boost/strongest full speed"] == min(
-        rep["ratios"]["boost/full speed"], rep["ratios"]["boost/full+sp speed"])
+        rep["ratios"][f"boost/{f} speed"] for f in ("full", "full+sp", "full+swiglu"))
     assert set(rep["targets"]) and all("met" in t for t in rep["targets"].values())
     assert png.stat().st_size > 0
     assert "boost/naive speed" in r.stdout

@@ -8,7 +8,7 @@ import argparse
 import re
 
 __all__ = ["positive_int", "non_negative_int", "non_negative_float", "probability",
-           "fraction", "mode_list", "bench_mode_list", "shard_size"]
+           "fraction", "mode_list", "layer_mode_list", "bench_mode_list", "shard_size"]
 
 
 def _number(text: str, kind):
@@ -78,13 +78,20 @@ def mode_list(text: str) -> list:
     return _listed_modes(text, [m.value for m in TPMode])
 
 
-def bench_mode_list(text: str) -> list:
-    """``mode_list`` plus ``full+sp``: the benchmark's layouts, where ``full`` is the BOOST
-    paper's full-rank baseline (all-reduce TP, no sequence parallelism) and ``full+sp``
-    megatron's own (TP with sequence parallelism)."""
+def layer_mode_list(text: str) -> list:
+    """``mode_list`` plus ``full+sp``: full rank as the BOOST paper measured it (``full``:
+    all-reduce TP, no sequence parallelism) and as megatron users run it (``full+sp``)."""
     from megatron_boost.config.modes import TPMode
 
     return _listed_modes(text, [m.value for m in TPMode] + ["full+sp"])
+
+
+def bench_mode_list(text: str) -> list:
+    """``layer_mode_list`` plus ``full+swiglu``: the benchmark's layouts (the paper's full rank
+    with megatron's fused SwiGLU, which the CPU runs only when asked)."""
+    from megatron_boost.config.modes import TPMode
+
+    return _listed_modes(text, [m.value for m in TPMode] + ["full+sp", "full+swiglu"])
 
 
 def shard_size(text: str) -> str:

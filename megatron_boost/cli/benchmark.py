@@ -8,8 +8,10 @@ mode from the same config and seed: ``full`` is the full-rank twin (the same con
 parallel.mode=full: the same d, f, heads, layers; ranks ignored) as the BOOST paper measured
 it (all-reduce TP, parallel.sequence_parallel=false), ``full+sp`` the same twin as megatron
 users run it (sequence parallelism on: norms and dropout sharded along the sequence, each TP
-all-reduce a reduce-scatter + all-gather), ``naive`` and ``boost`` the bottleneck model under
-vanilla and bottleneck-aware TP. Each step is one optimizer step of
+all-reduce a reduce-scatter + all-gather), ``full+swiglu`` the paper's baseline with
+megatron's fused SwiGLU (``model.bias_activation_fusion``: a CUDA run's default; here its
+jit_fuser compiles it with torch's inductor in every process), ``naive`` and ``boost`` the
+bottleneck model under vanilla and bottleneck-aware TP. Each step is one optimizer step of
 megatron-core's schedule, DDP and Adam (``megatron_boost.train.step.train_step``) over
 global_batch_size / micro_batch_size micro-batches of synthetic tokens (no data files). The
 modes' steps are interleaved (step i of every mode before step i + 1 of any), so a change in
@@ -31,7 +33,8 @@ and reported as unavailable where the config rejects it.
 
 Targets at TP=2 (printed, never enforced): boost ≥ 1.9x faster than naive, ≥ 1.7x faster than
 full (the paper's baseline), and within 10 % of the single-process row. The ratios also
-report boost against ``full+sp`` and against the faster of the full-rank rows. Exit code 0 unless something failed to run.
+report boost against ``full+sp``, ``full+swiglu`` and against the fastest of the full-rank
+rows. Exit code 0 unless something failed to run.
 """
 
 from __future__ import annotations
@@ -74,13 +77,20 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-def bench_layout(name: str) -> tuple:
-    """(parallel.mode, parallel.sequence_parallel) of a benchmark mode name: ``full`` is the
-    BOOST paper's baseline (no sequence parallelism), ``full+sp`` megatron's; the bottleneck
-    modes keep the config's resolution (off)."""
-    if name == "full+sp":
-        return "full", True
-    return name, (False if name == "full" else None)
+#: Benchmark mode name -> (parallel.mode, parallel.sequence_parallel,
+#: model.bias_activation_fusion): ``full`` is the BOOST paper's baseline (no sequence
+#: parallelism), ``full+sp`` megatron's, ``full+swiglu`` the paper's with megatron's fused SwiGLU
+#: (on by default on CUDA; on the CPU its jit_fuser compiles it with inductor); the bottleneck
+#: modes keep the config's resolution (off).
+BENCH_LAYOUTS = {"full": ("full", False, None), "full+sp": ("full", True, None),
+                 "full+swiglu": ("full", False, True)}
+
+
+def apply_bench_layout(cfg, name: str) -> None:
+    """Set the config's mode, sequence parallelism and fused SwiGLU for a benchmark mode."""
+    mode, sp, fusion = BENCH_LAYOUTS.get(name, (name, None, None))
+    cfg.parallel.mode, cfg.parallel.sequence_parallel = mode, sp
+    cfg.model.bias_activation_fusion = fusion
 
 
 def build_mode_run(job: dict, name: str) -> dict:
@@ -92,7 +102,7 @@ def build_mode_run(job: dict, name: str) -> dict:
 
     seq, mb = job["seq_length"], job["micro_batch_size"]
     cfg = copy.deepcopy(job["cfg"])
-    cfg.parallel.mode, cfg.parallel.sequence_parallel = bench_layout(name)
+    apply_bench_layout(cfg, name)
     cfg.parallel.tp, cfg.parallel.pp = job["tp"], job["pp"]
     cfg.training.recompute = job["recompute"]
     cfg.training.precision, cfg.training.seed = job["dtype"], job["seed"]
@@ -103,7 +113,8 @@ def build_mode_run(job: dict, name: str) -> dict:
     micro = synthetic_microbatches(cfg.model.vocab_size, seq, mb, job["global_batch_size"],
                                    job["seed"] + 1)
     return {"cfg": cfg, "built": built, "ddp": built.chunks, "opt": built.optimizer,
-            "micro": micro, "vocab": built.run.padded_vocab_size, "times": [], "losses": [],
+            "micro": micro, "vocab": built.run.padded_vocab_size,
+            "fused_swiglu": bool(built.config.bias_activation_fusion), "times": [], "losses": [],
             "load": [], "own_cpu": [], "sys_busy": []}
 
 
@@ -148,7 +159,7 @@ def _untimed_measurements(r: dict, job: dict, step) -> dict:
                  "fwd_count": log.count("fwd"), "bwd_count": log.count("bwd")},
         "saved_bytes": acc.bytes, "saved_tensors": acc.count,
         "params_local": sum(p.numel() for p in params),
-        "vocab": r["vocab"],
+        "vocab": r["vocab"], "fused_swiglu": r["fused_swiglu"],
     }
 
 
@@ -187,7 +198,7 @@ def _validate_mode(cfg, name, tp, pp, recompute):
     from megatron_boost.config.resolved import check_model_rules
 
     c = copy.deepcopy(cfg)
-    c.parallel.mode, c.parallel.sequence_parallel = bench_layout(name)
+    apply_bench_layout(c, name)
     c.parallel.tp, c.parallel.pp = tp, pp
     c.training.recompute = recompute
     try:
@@ -203,7 +214,7 @@ def _row(label, name, raw, cfg, tp, pp, seq, gbs, mb):
     from megatron_boost.analysis.flops import rank_step_flops, step_flops
     from megatron_boost.config.modes import resolve_sequence_parallel
 
-    mode, requested_sp = bench_layout(name)
+    mode, requested_sp, _ = BENCH_LAYOUTS.get(name, (name, None, None))
     r0 = raw[0]
     times = r0["times"]
     med = statistics.median(times) if times else float("nan")
@@ -222,6 +233,7 @@ def _row(label, name, raw, cfg, tp, pp, seq, gbs, mb):
     return {
         "label": label, "mode": mode, "tp": tp, "pp": pp,
         "sequence_parallel": resolve_sequence_parallel(mode, tp, requested_sp)[0],
+        "fused_swiglu": r0["fused_swiglu"],  # megatron's config as built
         "step_time_median_s": med, "step_times_s": times,
         "step_time_min_s": min(times) if times else None,
         "tokens_per_step": tokens, "tokens_per_s": tokens / med if times else None,
@@ -273,7 +285,8 @@ def _png(rows, ratios, path):
     rows = [r for r in rows if not r.get("unavailable")]
     labels = [r["label"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    colors = {"full": "tab:gray", "full+sp": "black", "naive": "tab:red", "boost": "tab:green"}
+    colors = {"full": "tab:gray", "full+sp": "black", "full+swiglu": "dimgray",
+              "naive": "tab:red", "boost": "tab:green"}
     c = [colors.get(r["label"].split()[0], "tab:blue") if "single" not in r["label"] else
          "tab:blue" for r in rows]
     for ax, key, scale, title in (
@@ -304,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pp", type=positive_int, default=1)
     parser.add_argument("--modes", type=bench_mode_list, default="full,full+sp,naive,boost",
                         help="comma-separated: full (no sequence parallelism, the BOOST "
-                             "paper's baseline), full+sp (megatron's), naive, boost")
+                             "paper's baseline), full+sp (megatron's), full+swiglu (the "
+                             "paper's with megatron's fused SwiGLU), naive, boost")
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per mode")
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps per mode")
     parser.add_argument("--single", action="store_true",
@@ -347,7 +361,7 @@ def _run_rows(args, cfg, job: dict, modes, unavailable: dict, single_why) -> lis
     for mode in modes:
         label = f"{mode} TP={args.tp}" + (f" PP={args.pp}" if args.pp > 1 else "")
         if mode in unavailable:
-            rows.append({"label": label, "mode": bench_layout(mode)[0],
+            rows.append({"label": label, "mode": BENCH_LAYOUTS.get(mode, (mode,))[0],
                          "unavailable": unavailable[mode]})
         else:
             rows.append(_row(label, mode, raw_by_mode[mode], cfg, args.tp, args.pp, seq, gbs,
@@ -373,12 +387,14 @@ def _ratios(rows) -> dict:
             return by[a]["step_time_median_s"] / by[b]["step_time_median_s"]
         return None
 
-    # The strongest full-rank layout: the faster of full (the paper's) and full+sp (megatron's).
-    fulls = [f for f in ("full", "full+sp") if f in by]
+    # The strongest full-rank layout: the fastest of full (the paper's), full+sp (megatron's)
+    # and full+swiglu (the paper's with megatron's fused SwiGLU).
+    fulls = [f for f in BENCH_LAYOUTS if f in by]
     strongest = min(fulls, key=lambda f: by[f]["step_time_median_s"]) if fulls else None
     return {"boost/naive speed": ratio("naive", "boost"),
             "boost/full speed": ratio("full", "boost"),
             "boost/full+sp speed": ratio("full+sp", "boost"),
+            "boost/full+swiglu speed": ratio("full+swiglu", "boost"),
             "boost/strongest full speed": ratio(strongest, "boost"),
             "boost TP time / single time": ratio("boost", "single")}
 

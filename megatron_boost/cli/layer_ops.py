@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional, Sequence
 
-from megatron_boost.cli.arg_types import bench_mode_list, positive_int
+from megatron_boost.cli.arg_types import layer_mode_list, positive_int
 from megatron_boost.cli.errors import one_line_errors
 
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-boost-layer-ops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config")
-    parser.add_argument("--modes", type=bench_mode_list, default="full,naive,boost",
+    parser.add_argument("--modes", type=layer_mode_list, default="full,naive,boost",
                         help="layers to measure: full (the BOOST paper's full-rank baseline, "
                              "no sequence parallelism), full+sp (megatron's), naive, boost")
     parser.add_argument("--tp", type=positive_int, default=None,

@@ -44,27 +44,35 @@ Model of one kernel (all times in seconds; P = bf16 peak × sustained_clock_rati
 * Attention core (flash attention, causal): forward FLOPs ``4·b·s²·e·heads / 2``, backward
   2.5× forward; efficiency ``η_attn = η_attn_max · e/(e + e_half) · s/(s + s_half)`` forward
   and ``attn_bwd_ratio · η_attn`` backward.
-* Element-wise kernels (RMSNorm, RoPE, SwiGLU, σ, residual adds, cross entropy): bytes moved /
-  (B_hbm · η_mem) + t_launch.
+* Element-wise kernels of a decoder layer: the op ledger of that layer as the model builds it
+  (``analysis/ledger.py``, docs/design.md §17: the CUDA op graph, fused regions and fused
+  kernels counted once), its element-wise, fused and copy bytes per direction /
+  (B_hbm · η_mem) plus t_launch per kernel; outside the layers (embedding, head, cross
+  entropy, optimizer) from the shapes.
 * Collectives, alpha-beta with ring algorithms over ``n`` ranks: all-reduce
   ``2(n-1)·α + 2(n-1)/n · bytes / (B_link · η_link)``; all-gather / reduce-scatter: half;
   p2p ``α + bytes/(B_link · η_link)``. A group that fits in one node uses NVLink (on a
   switchless full mesh such as Perlmutter's 4-GPU node, only the links to the group's n-1
   peers: min(B_nvlink, (n-1)·B_pair)), otherwise InfiniBand (per-GPU NIC bandwidth).
+  A layer's TP collectives are those its op ledger records, each charged in full when
+  synchronous and, when asynchronous, less the GEMMs issued between its start and its wait
+  (their FLOPs at the layer's GEMM rate): boost's backward all-reduces hide behind the dB
+  GEMMs, and ``Layout.overlap_chunks`` > 1 pipelines its forward ones.
 * Pipeline (1F1B, ``m`` micro-batches, ``p`` stages, ``v`` virtual stages):
   ``T_pipe = m · max_stage + (Σ_stages − max_stage) / v`` — for equal stages this is
   ``(m + (p−1)/v) · t_stage``, i.e. a bubble fraction ``(p−1)/(m+p−1)`` for ``v = 1``.
 * Recompute: ``full`` keeps only each layer's input and re-runs the whole layer forward
-  (collectives included) in backward; ``selective`` drops the attention output and re-runs the
-  attention core; ``lowrank`` (bottleneck modes, docs/design.md §7) keeps the layer input and the
-  all-reduced r-wide bottleneck activations (+ rms scalars) and re-runs everything except the A
-  products and the collectives (σ, B products, attention core, SwiGLU, RoPE, norms). In naive
-  mode the B outputs come out of an all-reduce, so ``lowrank`` keeps them too and recomputes only
-  σ, norms, RoPE, the attention core and SwiGLU.
+  (collectives included) in backward; ``selective`` drops the attention core's saved tensors
+  and re-runs it; ``lowrank`` (bottleneck modes, docs/design.md §7) keeps the layer input and
+  the all-reduced bottleneck activations (+ rms scalars): its saved bytes and its backward's
+  element-wise work are the op ledger of the checkpointed layer, and the B GEMMs and the
+  attention core are re-run (in naive mode the B outputs come out of an all-reduce, so they
+  are kept, and only the attention core's GEMMs are re-run).
 * Memory per GPU (fullest pipeline stage): bf16 weights (2 B/param), fp32 gradients (4), Adam
   fp32 master + m + v (12, divided by dp with the distributed optimizer), activations saved for
-  backward under the recompute policy × micro-batches in flight (1F1B: min(m, p − stage)),
-  bf16 logits + fp32 softmax on the last stage, and a reserved amount (CUDA context, NCCL).
+  backward under the recompute policy (the op ledger's saved bytes per layer) × micro-batches
+  in flight (1F1B: min(m, p − stage)), bf16 logits + fp32 softmax on the last stage, and a
+  reserved amount (CUDA context, NCCL).
 * DP: gradient all-reduce (fp32) of the stage's parameters, overlapped with the backward of the
   last micro-batch by a fraction ``dp_overlap`` when ``overlap_grad_reduce`` is on.
 * Optimizer: fused Adam is HBM-bound: ``OPTIMIZER_BYTES_PER_PARAM`` bytes per local parameter.
@@ -74,7 +82,8 @@ convention): 6 per projection parameter per token (layers + LM head) plus the ca
 core (half the s×s square), backward = 2 × forward; naive's duplicated work is not counted.
 
 The widths (d, f, heads, ranks, parameters per projection) all come from the one
-:class:`~megatron_boost.analysis.shape.ModelShape`, the TP collective widths from
+:class:`~megatron_boost.analysis.shape.ModelShape` (what a layer moves, launches and keeps
+from its op ledger, measured once per shape and layout), the TP collective widths from
 :func:`~megatron_boost.analysis.comm.tp_collectives` (the embedding's, tied or not, from
 :func:`~megatron_boost.analysis.comm.embedding_collectives`), the per-GPU GEMM shapes and
 parameters from the placement table
