@@ -21,7 +21,8 @@ import torch
 
 from megatron_boost.convert import megatron_side as mb
 from megatron_boost.convert.generation import sample
-from megatron_boost.convert.hf_dir import HF_ACTIVATIONS, hf_config, load_hf_model, write_hf_dir
+from megatron_boost.convert.hf_dir import (HF_ACTIVATIONS, cola_reads_it_differently, hf_config,
+                                          load_hf_model, write_hf_dir)
 from megatron_boost.convert.mapping import AttentionShape, megatron_to_hf
 
 __all__ = ["export_checkpoint", "compare_with_hf", "attention_shape", "VERIFY_PROMPT"]
@@ -114,6 +115,16 @@ def export_checkpoint(checkpoint: str, output: str, fold: bool = False,
         state = megatron_to_hf({k: v.detach() for k, v in mb.global_weights(model).items()},
                                attention_shape(cfg), lowrank, fold)
         config = hf_config(cfg, rows, cola=lowrank and not fold, tokenizer=hf_tok)
+        attn_rank, mlp_rank = cfg.model.resolved_ranks()
+        if lowrank and not fold and attn_rank != mlp_rank:
+            print(f"note: the CoLA authors' ColaForCausalLM has one rank for every projection; "
+                  f"this model's are {attn_rank} (attention) and {mlp_rank} (MLP), which "
+                  f"this directory's own class reads (attn_rank, mlp_rank)", flush=True)
+        if lowrank and not fold and cola_reads_it_differently(cfg.model):
+            print(f"note: the CoLA authors' ColaForCausalLM would apply σ "
+                  f"({cfg.model.bottleneck_activation}) to the MLP's gate where this model "
+                  f"applies SiLU; transformers' trust_remote_code loads this directory's own "
+                  f"class, which reads mlp_gate_act", flush=True)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         tmp.mkdir(parents=True)
         try:

@@ -12,7 +12,7 @@ import torch
 
 __all__ = ["hf_config", "write_hf_dir", "load_hf_model", "read_hf_state_dict",
            "read_config_json", "check_weight_files", "files_follow_umask", "HF_ACTIVATIONS",
-           "COLA_CODE"]
+           "COLA_CODE", "cola_keys", "cola_reads_it_differently"]
 
 #: bottleneck σ -> transformers ACT2FN name ("linear" is ACT2FN's identity).
 HF_ACTIVATIONS = {"silu": "silu", "identity": "linear", "gelu": "gelu", "relu": "relu"}
@@ -38,7 +38,8 @@ def hf_config(cfg, vocab_rows: int, cola: bool, tokenizer=None):
         rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
         initializer_range=m.init_method_std,
         tie_word_embeddings=m.share_embeddings_and_output_weights,
-        # CoLA's MLP: no gate non-linearity unless mlp_gate_activation (docs/design.md §1)
+        # LLaMA's MLP gate (full rank, or a fold: linear without mlp_gate_activation); a CoLA
+        # config says σ here instead (cola_keys)
         hidden_act="silu" if cfg.parallel.mode == "full" or m.mlp_gate_activation
         else "linear",
         bos_token_id=getattr(tokenizer, "bos_token_id", None),
@@ -46,12 +47,32 @@ def hf_config(cfg, vocab_rows: int, cola: bool, tokenizer=None):
         pad_token_id=getattr(tokenizer, "pad_token_id", None), dtype="float32")
     if not cola:
         return LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
-    attn_rank, mlp_rank = m.resolved_ranks()
-    config = ColaConfig(architectures=["ColaForCausalLM"], attn_rank=attn_rank,
-                        mlp_rank=mlp_rank, lr_act_type=HF_ACTIVATIONS[m.bottleneck_activation],
-                        **kwargs)
+    config = ColaConfig(architectures=["ColaForCausalLM"], **{**kwargs, **cola_keys(m)})
     config.auto_map = dict(_AUTO_MAP)
     return config
+
+
+def cola_keys(m) -> Dict:
+    """The CoLA keys of a low-rank model's config.json, with the meaning CoLA's own
+    ``ColaForCausalLM`` gives them (github.com/alvin-zyl/CoLA): ``hidden_act`` is σ of every
+    bottleneck, and of the MLP's gate unless ``only_lr_act``; ``rank`` is every projection's
+    (written when attn_rank == mlp_rank, the only case it can express). Ours also reads
+    ``lr_act_type`` (σ), ``attn_rank``, ``mlp_rank`` and ``mlp_gate_act``, the gate's SiLU
+    (docs/design.md §10.17)."""
+    attn_rank, mlp_rank = m.resolved_ranks()
+    sigma = HF_ACTIVATIONS[m.bottleneck_activation]
+    keys = dict(hidden_act=sigma, lr_act_type=sigma, attn_rank=attn_rank, mlp_rank=mlp_rank,
+                only_lr_act=not m.mlp_gate_activation,
+                mlp_gate_act="silu" if m.mlp_gate_activation else None)
+    if attn_rank == mlp_rank:
+        keys["rank"] = attn_rank
+    return keys
+
+
+def cola_reads_it_differently(m) -> bool:
+    """Whether CoLA's own class would build another model from the config.json: it applies σ
+    (``hidden_act``) to the MLP's gate, where ours applies SiLU."""
+    return m.mlp_gate_activation and m.bottleneck_activation != "silu"
 
 
 def _save_safetensors(state: Dict[str, torch.Tensor], out: Path, max_shard_size) -> None:

@@ -78,8 +78,21 @@ def _shape_overrides(hf: dict) -> List[str]:
     if hf["model_type"] == "cola":
         values.update(attn_rank=hf["attn_rank"], mlp_rank=hf["mlp_rank"],
                       bottleneck_activation=_SIGMA_OF_HF[hf["lr_act_type"]],
-                      mlp_gate_activation=hf.get("hidden_act") == "silu")
+                      mlp_gate_activation=_gate_activation(hf))
     return [f"model.{k}={v}" for k, v in values.items()]
+
+
+def _gate_activation(hf: dict) -> bool:
+    """Whether a CoLA config.json's MLP gate has its SiLU: ``only_lr_act`` false (CoLA's key,
+    which exports write since the keys follow CoLA's meaning); before that, the gate's
+    activation was ``hidden_act`` ("silu" or "linear")."""
+    if "only_lr_act" in hf:
+        gate = hf.get("mlp_gate_act") or hf.get("hidden_act")
+        if not hf["only_lr_act"] and gate != "silu":
+            raise ValueError(f"the MLP gate's activation is {gate!r}; megatron-boost's gate "
+                             f"activation is SiLU (model.mlp_gate_activation) or none")
+        return not hf["only_lr_act"]
+    return hf.get("hidden_act") == "silu"
 
 
 def svd_factors(w: torch.Tensor, rank: int) -> Tuple[torch.Tensor, torch.Tensor, float]:

@@ -5,8 +5,11 @@ Self-contained: this file is copied into every exported low-rank model directory
 
 A CoLA model is a LLaMA decoder whose seven projections (q, k, v, o, gate, up, down) are each
 y = B·σ(A·x) with rank ``attn_rank`` (attention) or ``mlp_rank`` (MLP) and σ = ``lr_act_type``.
-The MLP is ``down(act(gate(x)) * up(x))`` with ``hidden_act`` "linear" (no extra gate
-non-linearity, σ lives inside the bottlenecks) or "silu" (the extra gate SiLU).
+The MLP is ``down(gate(x) * up(x))`` with ``only_lr_act`` (σ lives inside the bottlenecks
+only), else ``down(act(gate(x)) * up(x))`` with act = ``mlp_gate_act`` (default
+``hidden_act``). The keys mean the same to the CoLA authors' ``ColaForCausalLM``
+(github.com/alvin-zyl/CoLA), which takes σ from ``hidden_act`` (equal to ``lr_act_type`` here),
+its gate's activation from ``hidden_act`` unless ``only_lr_act``, and one ``rank``.
 """
 
 from huggingface_hub.dataclasses import strict
@@ -23,3 +26,10 @@ class ColaConfig(LlamaConfig):
     """Rank of the gate, up, down bottlenecks."""
     lr_act_type: str = "silu"
     """σ between the factors, a transformers ACT2FN name ("linear" is the identity)."""
+    only_lr_act: bool = True
+    """No activation on the MLP's gate (CoLA's key): σ inside the bottlenecks only."""
+    mlp_gate_act: str | None = None
+    """The gate's activation when ``only_lr_act`` is false (None: ``hidden_act``, as CoLA's
+    class takes it)."""
+    rank: int | None = None
+    """CoLA's one rank of every projection (when attn_rank == mlp_rank)."""

@@ -52,4 +52,7 @@ class ColaForCausalLM(LlamaForCausalLM):
                                  config.lr_act_type)
             _replace_projections(layer.mlp, MLP_PROJECTIONS, config.mlp_rank,
                                  config.lr_act_type)
+            # LLaMA's MLP applies act_fn to the gate: none with only_lr_act, as CoLA's class
+            layer.mlp.act_fn = (nn.Identity() if config.only_lr_act
+                                else ACT2FN[config.mlp_gate_act or config.hidden_act])
         self.post_init()
