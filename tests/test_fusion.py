@@ -71,3 +71,41 @@ def test_a_region_compiles_to_one_kernel_computing_the_same(name):
         # bf16 results: the compiled kernel keeps intermediates in fp32 where eager rounds
         # each operation to bf16, a few bf16 ulps (2^-8 relative each) apart at most
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("sigma", ["silu", "gelu", "relu", "identity"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norms_backward_region_is_autograds_arithmetic(sigma, dtype):
+    """Eagerly (the CPU's path) the σ and scale region and its backward give bitwise what
+    autograd gives through the same expression, which the layers ran before: the scale
+    ``round(P · rsqrt(Σx²/d + ε))`` then σ (docs/design.md §3, §11)."""
+    from megatron_boost.config.transformer import get_bottleneck_activation
+
+    act, act_grad = get_bottleneck_activation(sigma), get_bottleneck_activation_grad(sigma)
+    g = torch.Generator().manual_seed(0)
+    products = torch.randn(S, B, R, generator=g).to(dtype).requires_grad_()
+    sumsq = (torch.rand(S, B, 1, generator=g) * R + 1).requires_grad_()
+    dz = torch.randn(S, B, R, generator=g).to(dtype)
+    inv = online_rmsnorm.inverse_rms(sumsq, 4 * D, 1e-6)
+    z = act((products.float() * inv).to(dtype))  # the expression, under autograd
+    z.backward(dz)
+    region = REGIONS["scale_and_activate"]
+    assert torch.equal(region(products.detach(), sumsq.detach(), 4 * D, 1e-6, act), z)
+    d_products, d_sumsq = REGIONS["scale_and_activate_backward"](
+        products.detach(), sumsq.detach(), dz, 4 * D, 1e-6, act_grad)
+    assert torch.equal(d_products, products.grad) and torch.equal(d_sumsq, sumsq.grad)
+
+
+@pytest.mark.parametrize("silu_gate", [True, False])
+def test_the_mlp_products_backward_region_is_autograds_arithmetic(silu_gate):
+    from megatron_boost.model.blocks import gated_product
+
+    g = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(S, B, R, generator=g).to(torch.bfloat16).requires_grad_()
+                for _ in range(2))
+    grad = torch.randn(S, B, R, generator=g).to(torch.bfloat16)
+    ((F.silu(gate) if silu_gate else gate) * up).backward(grad)
+    want = (gate.grad, up.grad)
+    gate.grad = up.grad = None
+    gated_product(gate, up, silu_gate).backward(grad)
+    assert torch.equal(gate.grad, want[0]) and torch.equal(up.grad, want[1])
