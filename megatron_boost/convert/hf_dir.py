@@ -46,9 +46,14 @@ def hf_config(cfg, vocab_rows: int, cola: bool, tokenizer=None):
         eos_token_id=getattr(tokenizer, "eos_token_id", None),
         pad_token_id=getattr(tokenizer, "pad_token_id", None), dtype="float32")
     if not cola:
-        return LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
-    config = ColaConfig(architectures=["ColaForCausalLM"], **{**kwargs, **cola_keys(m)})
-    config.auto_map = dict(_AUTO_MAP)
+        config = LlamaConfig(architectures=["LlamaForCausalLM"], **kwargs)
+    else:
+        config = ColaConfig(architectures=["ColaForCausalLM"], **{**kwargs, **cola_keys(m)})
+        config.auto_map = dict(_AUTO_MAP)
+    # transformers 4.x (and so the CoLA authors' ColaForCausalLM) reads RoPE's base from the
+    # top-level rope_theta only, 10000 when absent; 5.x reads rope_parameters (and moves a
+    # top-level rope_theta there when it loads the file)
+    config.rope_theta = float(m.rotary_base)
     return config
 
 

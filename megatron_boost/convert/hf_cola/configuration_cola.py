@@ -33,3 +33,12 @@ class ColaConfig(LlamaConfig):
     class takes it)."""
     rank: int | None = None
     """CoLA's one rank of every projection (when attn_rank == mlp_rank)."""
+
+    def to_dict(self):
+        """As LlamaConfig's, leaving ``rank`` and ``mlp_gate_act`` out when they are None
+        (two ranks; no gate activation) rather than writing null."""
+        out = super().to_dict()
+        for key in ("rank", "mlp_gate_act"):
+            if out.get(key, 0) is None:
+                del out[key]
+        return out
