@@ -158,3 +158,29 @@ def test_the_tool_refuses_a_layout_in_one_line():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: full at TP=3: "), proc.stderr
+
+
+def test_models_of_one_layer_shape_share_a_measurement(monkeypatch):
+    """A ledger is one layer's: two models that differ only in name, depth and tying are
+    measured once (the performance model sizes many), each ledger keeps its caller's spec,
+    and another layer shape is measured anew."""
+    import dataclasses
+
+    from megatron_boost.analysis import ledger as ledger_module
+
+    measured = []
+
+    def measured_once(spec):
+        measured.append(spec)
+        return ledger_module.LayerLedger(spec=spec, kernels=[], collectives=[], saved_bytes=0,
+                                         saved_by_scope={}, saved_fp32_wide=[])
+
+    monkeypatch.setattr(ledger_module, "_CACHE", {})
+    monkeypatch.setattr(ledger_module, "_measured_here", measured_once)
+    deeper = dataclasses.replace(SMALL, name="deeper", num_layers=8, tied_embeddings=True)
+    wider = dataclasses.replace(SMALL, ffn=128)
+    specs = [LedgerSpec(shape, mode="boost", tp=2, seq_length=32, dtype="fp32")
+             for shape in (SMALL, deeper, wider)]
+    ledgers = ledger_module.measure_ledgers(specs)
+    assert len(measured) == 2
+    assert [ledger.spec for ledger in ledgers] == specs

@@ -3,8 +3,6 @@
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -22,7 +20,6 @@ from megatron_boost.perf.search import recommend
 pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI = os.path.join(ROOT, "tools", "perf_model.py")
 
 COLA_7B = ModelShape("CoLA-7B", num_layers=32, hidden=4096, ffn=11008, heads=32,
                         vocab=32000, seq_length=4096, attn_rank=1024, mlp_rank=1024)
@@ -329,29 +326,26 @@ def test_recommend_returns_fitting_sorted_layouts():
 # ---------------------------------------------------------------------------------------------
 
 
-def _cli(*args):
-    # the timeout bounds a hang, it is no speed check (seconds alone; minutes on a busy machine)
-    return subprocess.run([sys.executable, CLI, *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+# The CLI runs in this process: its layers' op ledgers are the ones the tests above measured
+# already (one per process, analysis/ledger.py); test_bad_input runs tools/perf_model.py itself.
 
 
-def test_cli_compare_published_writes_json(tmp_path):
+def test_cli_compare_published_writes_json(tmp_path, capsys):
     out = tmp_path / "pub.json"
-    proc = _cli("--compare-published", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert "8/8 full and naive cells (the fit's) within ±15 %" in proc.stdout
+    assert main(["--compare-published", "--json", str(out)]) == 0
+    assert "8/8 full and naive cells (the fit's) within ±15 %" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert len(data["published_comparison"]) == 12
     assert data["hardware"]["peak_bf16_tflops"] == 312.0
 
 
-def test_cli_recommend_prints_layouts(tmp_path):
+def test_cli_recommend_prints_layouts(tmp_path, capsys):
     out = tmp_path / "rec.json"
-    proc = _cli("--recommend", "--gpus", "16", "--gpu", "h100-80gb", "--modes", "naive,boost",
-                "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert "[boost]" in proc.stdout and "[naive]" in proc.stdout and "[full]" not in proc.stdout
-    assert proc.stdout.count("tp=") >= 2
+    assert main(["--recommend", "--gpus", "16", "--gpu", "h100-80gb", "--modes", "naive,boost",
+                 "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "[boost]" in stdout and "[naive]" in stdout and "[full]" not in stdout
+    assert stdout.count("tp=") >= 2
     data = json.loads(out.read_text())
     assert set(data["recommend"]) == {"naive", "boost"}
 

@@ -592,14 +592,30 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
 
 
 _CACHE: Dict[LedgerSpec, LayerLedger] = {}
+"""The ledgers measured in this process, by :func:`_layer_key`."""
+
+
+def _layer_key(spec: LedgerSpec) -> LedgerSpec:
+    """What one layer's ledger depends on: ``spec`` less the model's name, depth, tying and
+    default sequence length (:func:`_run_config` builds one layer at ``spec.seq_length``), so
+    models of one layer shape share a measurement."""
+    shape = dataclasses.replace(spec.shape, name="", num_layers=1, tied_embeddings=False,
+                                seq_length=spec.seq_length)
+    return dataclasses.replace(spec, shape=shape)
 
 
 def _measured_here(spec: LedgerSpec) -> LayerLedger:
-    from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found, use_cpu
+    import warnings
 
-    with cpu_mode_left_as_found():
-        use_cpu(force=True)
-        return ledger_in_process(spec)
+    # megatron's notices on a CPU without TE or apex (one per import and layer) say nothing of
+    # a ledger, and would bury what a tool that reads one prints (tools/perf_model.py)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found, use_cpu
+
+        with cpu_mode_left_as_found():
+            use_cpu(force=True)
+            return ledger_in_process(spec)
 
 
 def _child(specs: List[LedgerSpec], queue) -> None:
@@ -637,13 +653,13 @@ def measure_ledgers(specs: Sequence[LedgerSpec]) -> List[LayerLedger]:
     missing ones in one child process."""
     import torch.distributed as dist
 
-    missing = list(dict.fromkeys(s for s in specs if s not in _CACHE))
+    missing = list(dict.fromkeys(k for k in map(_layer_key, specs) if k not in _CACHE))
     if missing and dist.is_available() and dist.is_initialized():
         _CACHE.update(zip(missing, _measured_in_child(missing)))
-    for spec in missing:
-        if spec not in _CACHE:
-            _CACHE[spec] = _measured_here(spec)
-    return [_CACHE[spec] for spec in specs]
+    for key in missing:
+        if key not in _CACHE:
+            _CACHE[key] = _measured_here(key)
+    return [dataclasses.replace(_CACHE[_layer_key(spec)], spec=spec) for spec in specs]
 
 
 def layer_ledger(spec: LedgerSpec) -> LayerLedger:
