@@ -22,6 +22,8 @@ from megatron_boost.model import blocks  # noqa: F401  (defines the MLP's region
 from megatron_boost.parallel import online_rmsnorm  # noqa: F401  (defines the norm's regions)
 from megatron_boost.parallel.fusion import REGIONS
 
+pytestmark = pytest.mark.compat  # the tiers: docs/testing.md
+
 S, B, R, D = 8, 4, 48, 32
 
 

@@ -21,7 +21,7 @@ from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger, ledger_in_p
 from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.parallel.placement import local_factor_shapes
 
-pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
+pytestmark = [pytest.mark.fast, pytest.mark.compat]  # the tiers: docs/testing.md
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # d, f, heads and ranks distinct, so a width names its source; GQA
