@@ -601,6 +601,17 @@ CASES = [
     Case("benchmark_bad_recompute", tool("benchmark.py", "--config", DEBUG, "--tp", "1",
                                          "--recompute", "sometimes"),
          ("--recompute", "sometimes"), process=True),
+    # -- values accepted that would do nothing or harm (config/inert_settings.py) ----------
+    Case("norm_epsilon_nan", train("model.norm_epsilon=nan"),
+         ("model.norm_epsilon", "nan", "finite")),
+    Case("norm_epsilon_inf", train("model.norm_epsilon=inf"),
+         ("model.norm_epsilon", "inf", "finite")),
+    Case("muon_key_with_adamw", train("optimizer.muon_momentum=0.9"),
+         ("optimizer.muon_momentum", "0.9", "optimizer.name: muon", "'adamw'")),
+    Case("overlap_chunks_beyond_positions", train("parallel.bottleneck_overlap_chunks=33"),
+         ("parallel.bottleneck_overlap_chunks", "33", "32 sequence positions")),
+    Case("wandb_dir_is_a_file", train("logging.wandb.project=p", "logging.wandb.dir={case}/f"),
+         ("logging.wandb.dir", "f", "not a directory"), setup=write("f", "x")),
 ]
 
 

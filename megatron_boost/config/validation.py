@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megatron_boost.config.inert_settings import (check_finite_numbers, check_muon_keys_need_muon,
+                                                   check_overlap_chunks_fit)
 from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_lowrank_recompute,
                                           check_tp_split, resolve_sequence_parallel)
 from megatron_boost.runtime.backends import check_attention_backend
@@ -118,6 +120,7 @@ WANDB_MODES = ("offline", "online")
 def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     """Check every run-level rule once. ``world_size``: the number of launched processes; None
     (a config read by a tool, whose data need not exist here) skips the launch rules."""
+    check_finite_numbers(cfg)  # first: nan passes every comparison below
     _check_positive(cfg)
     _check_one_budget(cfg)
     _check_layout(cfg)
@@ -126,6 +129,8 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_dropout(cfg)
     _check_wandb(cfg)
     _check_optimizer(cfg)
+    check_muon_keys_need_muon(cfg)
+    check_overlap_chunks_fit(cfg)
     if world_size is None:
         _check_tp_split(cfg)
         return
@@ -135,6 +140,7 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_budget(cfg)
     _check_intervals(cfg)
     _check_paths(cfg)
+    _check_wandb_dir(cfg)
     _check_wandb_installed(cfg)
 
 
@@ -165,6 +171,14 @@ def _check_wandb(cfg) -> None:
     if w.project is not None and not str(w.project).strip():
         raise ValueError("logging.wandb.project is empty; name a W&B project, or null to log "
                          "nothing to W&B")
+
+
+def _check_wandb_dir(cfg) -> None:
+    """logging.wandb.dir, where a launch that logs to W&B writes its files, is a writable
+    directory (checked before the run directory is made)."""
+    w = cfg.logging.wandb
+    if w.project is not None and w.dir is not None:
+        _check_output_dir("logging.wandb.dir", w.dir)
 
 
 def _check_wandb_installed(cfg) -> None:

@@ -1,0 +1,67 @@
+"""Rules of the validation pass (``config/validation.py``) for values that would be accepted and
+then do nothing, or do harm without a word: a non-finite number, an optimizer's settings set
+for another optimizer, more overlap chunks than the sequence has positions. Each raises ``ValueError`` naming the key, its value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterator, Tuple
+
+__all__ = ["check_finite_numbers", "check_muon_keys_need_muon", "check_overlap_chunks_fit",
+           "MUON_KEYS"]
+
+#: The optimizer section's keys that only Muon reads (train/muon.py).
+MUON_KEYS = ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_coefficients",
+             "muon_scale", "muon_extra_scale")
+
+
+def _float_values(section, prefix: str) -> Iterator[Tuple[str, float]]:
+    """(dotted key, value) of every float value of a config dataclass, nested sections
+    (logging.wandb) included."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _float_values(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}", value
+
+
+def check_finite_numbers(cfg) -> None:
+    """Every number of the config is finite: a nan or inf (``model.norm_epsilon=nan``) passes
+    every comparison-based rule that is not written against it, and the run then skips every
+    step or trains nothing with exit status 0."""
+    for dotted, value in _float_values(cfg, ""):
+        if not math.isfinite(value):
+            raise ValueError(f"{dotted} ({value}) must be a finite number; nan and inf are "
+                             f"refused for every key (null where the key allows it means "
+                             f"'not set')")
+
+
+def check_muon_keys_need_muon(cfg) -> None:
+    """Muon's settings changed from their defaults with another optimizer would be ignored
+    without a word (as the WSD keys without WSD would be, which are refused too)."""
+    o = cfg.optimizer
+    if o.name == "muon":
+        return
+    defaults = type(o)()
+    for key in MUON_KEYS:
+        value = getattr(o, key)
+        if value != getattr(defaults, key):
+            raise ValueError(f"optimizer.{key} ({value!r}) is only used with optimizer.name: "
+                             f"muon (it is {o.name!r}); remove it or set optimizer.name=muon")
+
+
+def check_overlap_chunks_fit(cfg) -> None:
+    """boost's overlap chunks split the sequence positions a layer sees (parallel/mappings.py
+    ``_row_chunks``): more chunks than positions would leave the extra ones empty, so fewer
+    all-reduces run than asked. A layer sees all ``model.seq_length`` positions in every
+    layout: with pp > 1 boost ships a stage's [s, b, d/t] output as an [s/t, b, d] buffer
+    (the schedule's seq_length is s/t, model/gpt.py), but views it back as [s, b, d/t] before
+    the layers (``_from_p2p``), so s, not s/t, is the bound."""
+    chunks, seq = cfg.parallel.bottleneck_overlap_chunks, cfg.model.seq_length
+    if chunks > seq:
+        raise ValueError(f"parallel.bottleneck_overlap_chunks ({chunks}) exceeds the "
+                         f"{seq} sequence positions a layer sees (model.seq_length); each "
+                         f"chunk needs at least one position, so set it to at most {seq}")
