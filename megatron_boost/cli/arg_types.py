@@ -5,10 +5,13 @@ argparse's one ``error:`` line (exit status 2) naming the argument, the value an
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import tempfile
 
 __all__ = ["positive_int", "non_negative_int", "non_negative_float", "probability",
-           "fraction", "mode_list", "layer_mode_list", "bench_mode_list", "shard_size"]
+           "fraction", "mode_list", "layer_mode_list", "bench_mode_list", "shard_size",
+           "output_file"]
 
 
 def _number(text: str, kind):
@@ -102,3 +105,27 @@ def shard_size(text: str) -> str:
         raise argparse.ArgumentTypeError(f"'{text}' is not a positive size such as 5GB or "
                                          f"500MB (units TB, GB, MB, KB)")
     return f"{match.group(1)}{match.group(2).upper()}"
+
+
+def output_file(text: str) -> str:
+    """A file the tool may write when its work is done (``--json``, ``--out``), checked before
+    the work: its folder exists and a file can be created there (probed by creating and
+    removing one: permission bits say nothing for root, a read-only file system refuses the
+    creation itself), and the path is not a folder."""
+    path = os.path.abspath(text)
+    folder = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"'{text}' is a directory; give a file name")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"'{text}' cannot be written: its folder {folder} "
+                                         f"does not exist (or is not a directory); create it "
+                                         f"or choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mboost-probe-", dir=folder)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"'{text}' cannot be written: cannot create a file in "
+                                         f"{folder} ({err.strerror}); choose another "
+                                         f"path") from None
+    os.close(fd)
+    os.unlink(probe)
+    return text

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional, Sequence
 
-from megatron_boost.cli.arg_types import layer_mode_list, positive_int
+from megatron_boost.cli.arg_types import layer_mode_list, output_file, positive_int
 from megatron_boost.cli.errors import one_line_errors
 
 
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompute", choices=["none", "lowrank"], default="none",
                         help="the layer's recompute (lowrank: the bottleneck modes only)")
     parser.add_argument("--kernels", action="store_true", help="list every kernel")
-    parser.add_argument("--json", default=None, help="write the ledgers here")
+    parser.add_argument("--json", type=output_file, default=None,
+                        help="write the ledgers here (checked before measuring)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.mlp_rank=512")
     return parser
 

@@ -15,7 +15,7 @@ import dataclasses
 import json
 from typing import Dict, Optional, Sequence
 
-from megatron_boost.cli.arg_types import mode_list, positive_int
+from megatron_boost.cli.arg_types import mode_list, output_file, positive_int
 from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.cli.errors import one_line_errors
 from megatron_boost.perf.hardware import HARDWARE, hardware
@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "configs at those layouts (flagged where their shape does not divide)")
     ap.add_argument("--write", help="with --sizing-table or --paper-layouts: replace that table in this file "
                                     "(between its markers) instead of printing it")
-    ap.add_argument("--json", help="write the results as JSON to this file")
+    ap.add_argument("--json", type=output_file,
+                    help="write the results as JSON to this file (checked before predicting)")
     return ap
 
 
@@ -104,12 +105,57 @@ def _setup(args) -> Dict:
     return s
 
 
+def _run_config(s: Dict, config: Optional[str]):
+    """The RunConfig the trainer would be given for this setup: the config's (or one holding
+    the built-in shape), with the layout and batch of the command line."""
+    from megatron_boost.config.run import ModelConfig, RunConfig, load_run_config
+
+    if config:
+        cfg = load_run_config(config)
+    else:
+        sh = s["shape"]
+        cfg = RunConfig(model=ModelConfig(
+            num_layers=sh.num_layers, hidden_size=sh.hidden, ffn_hidden_size=sh.ffn,
+            num_attention_heads=sh.heads, num_query_groups=sh.query_groups,
+            kv_channels=sh.head_dim, vocab_size=sh.vocab or 32000, attn_rank=sh.attn_rank,
+            mlp_rank=sh.mlp_rank))
+    cfg.model.seq_length = s["shape"].seq_length or cfg.model.seq_length
+    cfg.parallel.tp, cfg.parallel.pp = s["tp"], s["pp"]
+    cfg.parallel.vpp = s["vpp"] if s["vpp"] > 1 else None
+    cfg.training.micro_batch_size = s["mb"]
+    cfg.training.global_batch_size = s["gb"] or s["mb"] * s["dp"]
+    return cfg
+
+
+def check_layouts(s: Dict, modes, config: Optional[str]) -> None:
+    """Each mode's layout passes the trainer's own validation pass (the pipeline split, the TP
+    split, the ranks, recompute): a prediction for a layout a launch refuses would be
+    meaningless. ValueError naming the mode, the layout and the rule."""
+    cfg = _run_config(s, config)
+    for mode in modes:
+        cfg.parallel.mode = mode
+        cfg.parallel.sequence_parallel = None  # each mode's default
+        if mode != "boost":
+            cfg.parallel.bottleneck_overlap_chunks = 1
+        rc = _mode_recompute(s["rc"], mode)
+        cfg.training.recompute = None if rc == "none" else rc
+        try:
+            cfg.validate()
+        except ValueError as e:
+            raise ValueError(f"{mode} at tp={s['tp']}, pp={s['pp']} is a layout the trainer "
+                             f"refuses: {e}") from None
+
+
+def _mode_recompute(rc: str, mode: str) -> str:
+    # the full-rank model has no bottleneck to checkpoint
+    return "full" if rc == "lowrank" and mode == "full" else rc
+
+
 def _predictions(s: Dict, modes, hw, gpus_per_node) -> list:
     preds = []
     for mode in modes:
-        mrc = s["rc"]
-        if mrc == "lowrank" and mode == "full":
-            mrc = "full"  # the full-rank model has no bottleneck to checkpoint
+        mrc = _mode_recompute(s["rc"], mode)
+        if mrc != s["rc"]:
             print("note: mode full has no bottleneck; recompute lowrank -> full")
         lay = Layout(mode=mode, tp=s["tp"], pp=s["pp"], dp=s["dp"], micro_batch=s["mb"],
                      global_batch=s["gb"], recompute=mrc, vpp=s["vpp"],
@@ -148,7 +194,11 @@ def _sizing_table(write: Optional[str], paper_layouts: bool = False) -> int:
 
 @one_line_errors
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.write and not (args.sizing_table or args.paper_layouts):
+        parser.error(f"--write '{args.write}' replaces a table of a Markdown file: give it "
+                     f"with --sizing-table or --paper-layouts")
     hw = hardware(args.gpu)
     modes = args.modes
     if args.sizing_table or args.paper_layouts:
@@ -166,6 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(format_recommend(res, s["shape"], s["gpus"], hw))
             result["recommend"] = {m: [p.to_dict() for p in ps] for m, ps in res.items()}
         else:
+            check_layouts(s, modes, args.config)
             result["predictions"] = _predictions(s, modes, hw, args.gpus_per_node)
     if args.json:
         with open(args.json, "w") as fh:
