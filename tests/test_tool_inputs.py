@@ -94,3 +94,71 @@ def test_perf_model_write_needs_a_table(tmp_path, capsys):
     assert _exit_status(perf_model.main, ["--write", str(target)]) == 2
     _one_error_line(capsys, ("--write", "--sizing-table or --paper-layouts"))
     assert target.read_text() == "unchanged\n"
+
+
+# -- tools/paper_table.py and scripts/slurm/paper_table.sh ------------------------------------
+
+
+def _no_launch(monkeypatch):
+    from megatron_boost.cli import paper_table
+
+    def launched(*args, **kwargs):
+        raise AssertionError("paper_table launched before checking its environment")
+
+    monkeypatch.setattr(paper_table, "_launch", launched)
+    monkeypatch.setattr(paper_table, "_gpus_here", lambda: 8)
+    return paper_table
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "2.5"])
+def test_paper_table_names_a_bad_gpu_count(value, monkeypatch, capsys):
+    paper_table = _no_launch(monkeypatch)
+    monkeypatch.setenv("MBOOST_GPUS", value)
+    assert _exit_status(paper_table.main, ["--rows", "1B"]) == 2
+    _one_error_line(capsys, (f"MBOOST_GPUS='{value}'", "not a GPU count", "unset it"))
+
+
+def test_paper_table_names_a_launcher_that_does_not_exist(monkeypatch, capsys, tmp_path):
+    paper_table = _no_launch(monkeypatch)
+    monkeypatch.setenv("TORCHRUN", f"{tmp_path}/torchrun --nnodes=1")
+    assert _exit_status(paper_table.main, ["--rows", "1B"]) == 2
+    _one_error_line(capsys, ("TORCHRUN=", f"'{tmp_path}/torchrun' is not a command"))
+    monkeypatch.setenv("TORCHRUN", "bash -c")  # a command that exists is used as given
+    assert paper_table.launcher_command() == ["bash", "-c"]
+
+
+def test_paper_table_json_is_checked_before_running(monkeypatch, capsys):
+    paper_table = _no_launch(monkeypatch)
+    assert _exit_status(paper_table.main, ["--dry-run", "--json", "/proc/t.json"]) == 2
+    _one_error_line(capsys, ("--json", "/proc/t.json"))
+
+
+def _paper_table_sh(script: Path, submit_dir: Path, *args) -> "subprocess.CompletedProcess":
+    import os
+    import subprocess
+
+    env = dict(os.environ, SLURM_SUBMIT_DIR=str(submit_dir))
+    return subprocess.run(["bash", str(script), *args], cwd=submit_dir, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_paper_table_sh_submitted_outside_the_repository(tmp_path):
+    """sbatch runs a copy of the script from its spool directory with the submit directory as
+    SLURM_SUBMIT_DIR: from outside the repository, one error line; run directly from there,
+    the script finds its own checkout."""
+    import shutil
+
+    from tests.test_training import ROOT
+
+    spool = tmp_path / "spool" / "job1"
+    spool.mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "slurm" / "paper_table.sh", spool / "slurm_script")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = _paper_table_sh(spool / "slurm_script", elsewhere, "--rows", "1B")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: {elsewhere} is not the megatron-boost repository (no tools/paper_table.py): "
+        f"submit from the repository root (cd there, then sbatch scripts/slurm/paper_table.sh)"]
+    direct = _paper_table_sh(ROOT / "scripts" / "slurm" / "paper_table.sh", elsewhere, "--help")
+    assert direct.returncode == 0 and "--dry-run" in direct.stdout, direct.stderr

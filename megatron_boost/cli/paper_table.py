@@ -32,7 +32,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
-from megatron_boost.cli.arg_types import non_negative_int, positive_int
+from megatron_boost.cli.arg_types import non_negative_int, output_file, positive_int
 from megatron_boost.cli.errors import one_line_errors
 
 MODES = ("full", "naive", "boost")
@@ -174,14 +174,42 @@ def _launch(world: int, rows: List[str], args, out: str) -> None:
     job = dict(rows=rows, warmup=args.warmup, iters=args.iters, dry_run=args.dry_run,
                overrides=(DRY_RUN_MODEL if args.dry_run else []) + list(args.overrides),
                out=out)
-    launcher = os.environ.get("TORCHRUN", "").split() or [sys.executable, "-m",
-                                                         "torch.distributed.run"]
-    cmd = [*launcher, "--standalone", f"--nproc-per-node={world}", "-m",
+    cmd = [*launcher_command(), "--standalone", f"--nproc-per-node={world}", "-m",
            "megatron_boost.cli.paper_table", "--worker", json.dumps(job)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if subprocess.run(cmd, env=env).returncode != 0:
         raise ValueError(f"the {world}-process run of rows {', '.join(rows)} failed (its "
                          f"output is above); fix that, or leave those rows out with --rows")
+
+
+def launcher_command() -> List[str]:
+    """``TORCHRUN`` (split at spaces) or this interpreter's torch.distributed.run; ValueError
+    naming the variable when its command is not found."""
+    value = os.environ.get("TORCHRUN", "")
+    if not value.split():
+        return [sys.executable, "-m", "torch.distributed.run"]
+    if shutil.which(value.split()[0]) is None:
+        raise ValueError(f"TORCHRUN='{value}': '{value.split()[0]}' is not a command found "
+                         f"on PATH; set TORCHRUN to the torchrun launcher (e.g. torchrun or "
+                         f"'python -m torch.distributed.run'), or unset it")
+    return value.split()
+
+
+def gpu_count() -> int:
+    """The GPUs of this node: ``MBOOST_GPUS`` when set (a ValueError naming it unless it is a
+    non-negative integer), else what nvidia-smi lists."""
+    value = os.environ.get("MBOOST_GPUS")
+    if not value:
+        return _gpus_here()
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"MBOOST_GPUS='{value}' is not a GPU count; set it to this node's "
+                         f"number of GPUs (e.g. MBOOST_GPUS=8) or unset it to count them with "
+                         f"nvidia-smi")
+    return count
 
 
 def _gpus_here() -> int:
@@ -194,8 +222,7 @@ def run_table(args) -> dict:
     """Launch the rows, grouped by world size; the merged raw results."""
     from megatron_boost.perf.published import PAPER_ROWS
 
-    gpus = DRY_RUN_WORLD if args.dry_run else int(os.environ.get("MBOOST_GPUS") or
-                                                  _gpus_here())
+    gpus = DRY_RUN_WORLD if args.dry_run else gpu_count()
     by_world: Dict[int, List[str]] = {}
     skipped = {}
     for row in args.rows:
@@ -329,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated rows of the table (1B, 1B-tp4, 3B, 7B, 13B) or all")
     p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps per mode")
     p.add_argument("--iters", type=positive_int, default=5, help="timed steps per mode")
-    p.add_argument("--json", help="write the report (JSON) here")
+    p.add_argument("--json", type=output_file,
+                   help="write the report (JSON) here (checked before anything runs)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes, 2 processes: the code path without a GPU")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -344,6 +372,9 @@ def main(argv=None) -> int:
         return worker(json.loads(args.worker))
     if isinstance(args.rows, str):
         args.rows = _rows(args.rows)
+    launcher_command()  # the environment's settings, before anything runs
+    if not args.dry_run:
+        gpu_count()
     report = summarise(run_table(args), args.dry_run, args.warmup, args.iters)
     sys.stdout.write(markdown_table(report))
     if args.json:

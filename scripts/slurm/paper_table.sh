@@ -14,7 +14,19 @@
 # that tool launches one torchrun per world size (TORCHRUN overrides the launcher command,
 # MBOOST_GPUS the GPU count it detects). `--help` lists its options.
 set -uo pipefail
-ROOT=${SLURM_SUBMIT_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
+# The repository: the submit directory under sbatch, else this file's; when the submit directory
+# is not the repository (submitted from elsewhere), this file's own checkout if it is one (a
+# direct run), else one error line (sbatch ran a spool copy: nothing to find the checkout by).
+HERE=$(cd "$(dirname "$0")/../.." 2>/dev/null && pwd)
+ROOT=${SLURM_SUBMIT_DIR:-$HERE}
+if [ ! -f "$ROOT/tools/paper_table.py" ]; then
+    if [ -n "$HERE" ] && [ -f "$HERE/tools/paper_table.py" ]; then
+        ROOT=$HERE
+    else
+        echo "error: $ROOT is not the megatron-boost repository (no tools/paper_table.py): submit from the repository root (cd there, then sbatch scripts/slurm/paper_table.sh)" >&2
+        exit 2
+    fi
+fi
 cd "$ROOT" || { echo "error: cannot enter the repository root $ROOT" >&2; exit 2; }
 if [ -n "${PYTHON_ENV:-}" ]; then
     # shellcheck disable=SC1091
