@@ -11,7 +11,7 @@ from typing import Dict
 import torch
 
 __all__ = ["hf_config", "write_hf_dir", "load_hf_model", "read_hf_state_dict",
-           "read_config_json", "check_weight_files", "files_follow_umask", "HF_ACTIVATIONS",
+           "read_config_json", "check_weight_files", "check_weight_shapes", "files_follow_umask", "HF_ACTIVATIONS",
            "COLA_CODE", "cola_keys", "cola_reads_it_differently"]
 
 #: bottleneck σ -> transformers ACT2FN name ("linear" is ACT2FN's identity).
@@ -159,13 +159,48 @@ def check_weight_files(hf_dir) -> None:
                              f"truncated or damaged: export or download it again") from None
 
 
+def _saved_shapes(hf_dir) -> Dict[str, tuple]:
+    """tensor name -> (shape, file) of every ``*.safetensors`` file's header (no data read)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = (tuple(f.get_slice(name).get_shape()), path.name)
+    return shapes
+
+
+def check_weight_shapes(hf_dir, trust_remote_code: bool = True) -> None:
+    """The weights have the shapes config.json describes: the model is built on the meta device
+    (no memory) and each of its tensors compared with the safetensors headers; a hand-edited
+    size or rank is named (tensor, both shapes) before transformers reports its own table."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    saved = _saved_shapes(hf_dir)
+    if not saved:
+        return  # PyTorch .bin weights: no header to read without loading them
+    config = AutoConfig.from_pretrained(str(hf_dir), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    for name, tensor in model.state_dict().items():
+        shape, file = saved.get(name, (None, None))
+        if shape is not None and shape != tuple(tensor.shape):
+            raise ValueError(f"{Path(hf_dir) / file}: tensor {name} has shape {list(shape)}, "
+                             f"but config.json describes {list(tensor.shape)}; config.json "
+                             f"does not match the weights (a size or rank edited?): restore "
+                             f"it, or export the model again")
+
+
 def load_hf_model(path, trust_remote_code: bool = True):
     """An HF causal LM from a local directory, fp32, eval mode. A malformed config.json or
-    weight file is reported by name first (ValueError)."""
+    weight file, or weights of other shapes than config.json says, are reported by name first
+    (ValueError)."""
     from transformers import AutoModelForCausalLM
 
     read_config_json(path)
     check_weight_files(path)
+    check_weight_shapes(path, trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code,
                                                  dtype=torch.float32)
     return model.eval()

@@ -56,6 +56,10 @@ def read_hf_config(hf_dir: Path) -> dict:
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"'{hf_dir}' uses rope_type {rope.get('rope_type')!r}; only plain "
                          f"RoPE (default) is supported")
+    if kind == "cola" and hf.get("lr_act_type") not in _SIGMA_OF_HF:
+        raise ValueError(f"'{hf_dir}' has lr_act_type {hf.get('lr_act_type')!r}; the bottleneck "
+                         f"activations known are {', '.join(_SIGMA_OF_HF)} (transformers' "
+                         f"names of megatron-boost's {', '.join(HF_ACTIVATIONS)})")
     if kind == "llama" and hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"'{hf_dir}' has hidden_act {hf.get('hidden_act')!r}; LLaMA's MLP "
                          f"(SwiGLU, silu) is the only one supported")
