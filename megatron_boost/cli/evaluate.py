@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from megatron_boost.cli.arg_types import output_file
 from megatron_boost.cli.errors import run_reporting_errors
 
 #: The evaluation layout's defaults, before the command line's overrides: the saved run's own
@@ -35,8 +36,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.splitlines()[0])
     p.add_argument("model", help="checkpoint folder, iter_* folder or HF directory")
     p.add_argument("--input", required=True, help="text file, or .jsonl with a 'text' field")
-    p.add_argument("--json", help="also write the scores (loss, perplexity, bits_per_byte, "
-                                   "tokens) to this JSON file")
+    p.add_argument("--json", type=output_file,
+                   help="also write the scores (loss, perplexity, bits_per_byte, tokens) to "
+                        "this JSON file (checked before anything is loaded)")
     p.add_argument("overrides", nargs="*",
                    help="section.key=value overrides of a checkpoint's run config, e.g. the "
                         "layout parallel.tp=2 parallel.pp=2 (default TP = PP = 1)")
@@ -53,6 +55,9 @@ def read_text(path: str) -> str:
         raw = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"--input '{path}' is not UTF-8 text ({err})") from None
+    if not raw.strip():
+        raise ValueError(f"--input '{path}' holds no text to score (it is empty); give a text "
+                         f"file, or a .jsonl file of {{\"text\": ...}} records")
     if p.suffix != ".jsonl":
         return raw
     texts = []
@@ -67,7 +72,21 @@ def read_text(path: str) -> str:
             raise ValueError(f"{path}:{lineno}: a .jsonl record must be an object with a "
                              f"string 'text' field; give one per line")
         texts.append(record["text"])
+    if not "".join(texts).strip():
+        raise ValueError(f"--input '{path}' holds no text to score (its records' 'text' "
+                         f"fields are empty)")
     return "\n".join(texts)
+
+
+def scored_windows(ids: List[int], seq_length: int, path: str) -> List[List[int]]:
+    """The windows of ``ids`` (``text_windows``); a ValueError when they predict nothing (a
+    text of fewer than two tokens) rather than a division by zero tokens."""
+    from megatron_boost.convert.text_eval import text_windows
+
+    if len(ids) < 2:
+        raise ValueError(f"--input '{path}' is {len(ids)} token(s) long; a score needs at "
+                         f"least 2 (each token is predicted from the ones before it)")
+    return text_windows(ids, seq_length)
 
 
 def _report(name: str, text: str, windows: list, total: float, seconds: float,
@@ -87,39 +106,42 @@ def _report(name: str, text: str, windows: list, total: float, seconds: float,
     return result
 
 
-def _evaluate_hf(path: str, text: str, overrides: List[str]) -> dict:
+def _evaluate_hf(path: str, text: str, overrides: List[str], source: str) -> dict:
     from tqdm import tqdm
 
     from megatron_boost.convert.sources import open_model
-    from megatron_boost.convert.text_eval import hf_summed_loss, text_windows
+    from megatron_boost.convert.text_eval import hf_summed_loss
 
     if overrides or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(f"'{path}' is an HF directory: it is evaluated in one process without "
                          f"overrides (python tools/evaluate.py {path} --input FILE)")
     with open_model(path) as m:
-        windows = text_windows(m.tokenizer.encode(text), m.seq_length)
+        windows = scored_windows(m.tokenizer.encode(text), m.seq_length, source)
         start = time.perf_counter()
         total = hf_summed_loss(m.logits, tqdm(windows, desc="evaluate", unit="window"))
         return _report(m.name, text, windows, total, time.perf_counter() - start,
                        m.seq_length)
 
 
-def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
+def _evaluate_checkpoint(path: str, text: str, overrides: List[str], source: str) -> dict:
     import torch.distributed as dist
     from tqdm import tqdm
 
     from megatron_boost.cli.pretrain import select_device
     from megatron_boost.convert import megatron_side as mb
-    from megatron_boost.convert.text_eval import layout_summed_loss, text_windows
+    from megatron_boost.config.validation import validate_reading_launch
+    from megatron_boost.convert.text_eval import layout_summed_loss
     from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found
 
     ckpt = mb.resolve_checkpoint(path)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
-    cfg, _ = mb.saved_run_config(ckpt, [*EVAL_DEFAULTS, *overrides], world_size)
+    cfg, _ = mb.saved_run_config(ckpt, [*EVAL_DEFAULTS, *overrides])
+    # evaluation writes nothing in the run's directories (they may be read-only here)
+    validate_reading_launch(cfg, world_size)
     if not cfg.data.tokenizer_model:
         raise ValueError(f"{ckpt} was trained without a tokenizer (mock data); text needs one")
     seq, par = cfg.model.seq_length, cfg.parallel
-    windows = text_windows(list(mb.build_tokenizer(cfg.data).tokenize(text)), seq)
+    windows = scored_windows(list(mb.build_tokenizer(cfg.data).tokenize(text)), seq, source)
     # The saved device is the training machine's: a GPU run's checkpoint evaluates anywhere
     # ('auto' says in one line why it falls back to the CPU), unless the command line says.
     saved_device = cfg.training.device
@@ -139,9 +161,9 @@ def _evaluate_checkpoint(path: str, text: str, overrides: List[str]) -> dict:
 def evaluate(args) -> dict:
     text = read_text(args.input)
     if (Path(args.model) / "config.json").is_file():
-        result = _evaluate_hf(args.model, text, args.overrides)
+        result = _evaluate_hf(args.model, text, args.overrides, args.input)
     else:
-        result = _evaluate_checkpoint(args.model, text, args.overrides)
+        result = _evaluate_checkpoint(args.model, text, args.overrides, args.input)
     if args.json and int(os.environ.get("RANK", "0")) == 0:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result

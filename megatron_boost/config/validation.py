@@ -25,7 +25,7 @@ from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_l
                                           check_tp_split, resolve_sequence_parallel)
 from megatron_boost.runtime.backends import check_attention_backend
 
-__all__ = ["ParallelDims", "validate_run_config", "train_iterations", "lr_decay_iterations",
+__all__ = ["ParallelDims", "validate_run_config", "validate_reading_launch", "train_iterations", "lr_decay_iterations",
            "budget_line", "LR_DECAY_STYLES"]
 
 _PRECISIONS = ("auto", "fp32", "bf16")
@@ -142,6 +142,14 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     _check_paths(cfg)
     _check_wandb_dir(cfg)
     _check_wandb_installed(cfg)
+
+
+def validate_reading_launch(cfg, world_size: int) -> None:
+    """The rules of a launch that reads a checkpoint and writes no run (evaluation): the tool
+    rules, the world layout and the batch split over data-parallel ranks; not the output
+    directories, the budget or W&B, which such a launch never uses."""
+    validate_run_config(cfg)
+    _check_launch(cfg, ParallelDims(cfg.parallel.tp, cfg.parallel.pp, world_size))
 
 
 def _value(cfg, dotted: str):
