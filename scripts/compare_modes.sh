@@ -12,6 +12,7 @@
 # and a summary table on stdout (tools/summarize_run.py --table). Processes per run: $NPROC,
 # default tp × pp × (dp or 1) of the config. A run directory that already holds a checkpoint is resumed (finished runs are not
 # repeated); FRESH=1 deletes the three run directories first.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 if [ $# -lt 1 ]; then

@@ -24,6 +24,13 @@
 #
 # Environment: DEMO_DATA (default data/shakespeare), DEMO_RUN_DIR (default
 # runs/demo-shakespeare), DEMO_RESUME (0), VENV (see setup_env.sh).
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+for arg in "$@"; do  # overrides of the demo's run, checked before anything is installed
+    case "$arg" in
+        *.*=*) ;;
+        *) echo "demo.sh: error: '$arg' is not an override of the run (section.key=value, e.g. training.train_iters=100); see scripts/demo.sh --help" >&2; exit 2 ;;
+    esac
+done
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # megatron orders its overlapped TP communication on a single CUDA work queue

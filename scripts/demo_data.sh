@@ -11,6 +11,11 @@
 #   DATA_DIR/valid_text_document.bin/.idx  the held-out plays (data.valid_data_path)
 #   DATA_DIR/valid.txt                     the held-out plays as text (tools/evaluate.py --input)
 # Idempotent: whatever exists is reused (delete the folder to rebuild).
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+if [ $# -gt 1 ]; then
+    echo "demo_data.sh: error: $# arguments given; it takes one, the data directory (default data/shakespeare)" >&2
+    exit 2
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-data/shakespeare}

@@ -20,6 +20,11 @@
 #
 # Environment: FULL_ITERS (100), CONT_ITERS (30), EVAL_BYTES (50000), DEMO_DATA
 # (data/shakespeare), OUT (runs/import-example; removed first), RESULT (docs/import-example.json).
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+if [ $# -gt 0 ]; then
+    echo "import_example.sh: error: unknown argument '$1'; it takes none (settings are the environment variables above; see --help)" >&2
+    exit 2
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FULL_ITERS=${FULL_ITERS:-100}

@@ -13,6 +13,7 @@
 # repository's .venv when no virtual environment is active (create it with
 # scripts/setup_env.sh). One node: torchrun --standalone picks a free rendezvous port, so
 # several local runs can coexist.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 if [ $# -lt 2 ]; then

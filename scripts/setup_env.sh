@@ -36,6 +36,7 @@
 # multi-GB CUDA build is never installed by accident. Everything but torch is re-installed only
 # when pyproject.toml, requirements.txt, MCORE or TORCH changed since the last install, or when
 # an extra not installed yet is asked for (a stamp file in the environment).
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -5,6 +5,11 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -k layers -x; -n 0 runs in one process).
 # Tests run in TEST_WORKERS pytest-xdist workers (default 2: one per core of the 2-core machine
 # the budgets are set on; tests/conftest.py says how files are shared out).
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+if ! [[ "${TEST_WORKERS:-2}" =~ ^([0-9]+|auto|logical)$ ]]; then  # before any install
+    echo "test.sh: error: TEST_WORKERS='${TEST_WORKERS}' is not a number of pytest-xdist workers (a count, auto or logical; 0 runs in one process)" >&2
+    exit 2
+fi
 set -euo pipefail
 tier=()
 if [ "${1:-}" = "--fast" ]; then

@@ -13,6 +13,11 @@
 # 2.6 GB with their CUDA libraries; they run on the CPU too): hence --cuda, on purpose, since
 # the CPU wheel index is not reachable from every CI machine. The measured times are in
 # docs/design.md §15.
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
+if ! [[ "${TEST_WORKERS:-2}" =~ ^([0-9]+|auto|logical)$ ]]; then  # before any install
+    echo "test_compat.sh: error: TEST_WORKERS='${TEST_WORKERS}' is not a number of pytest-xdist workers (a count, auto or logical; 0 runs in one process)" >&2
+    exit 2
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export VENV=${COMPAT_VENV:-.venv312}

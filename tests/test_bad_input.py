@@ -612,6 +612,64 @@ CASES = [
          ("parallel.bottleneck_overlap_chunks", "33", "32 sequence positions")),
     Case("wandb_dir_is_a_file", train("logging.wandb.project=p", "logging.wandb.dir={case}/f"),
          ("logging.wandb.dir", "f", "not a directory"), setup=write("f", "x")),
+    # -- one bad input of every entry point (tests/test_entry_points.py finds them) ---------
+    Case("layer_ops_json_not_writable",
+         tool("layer_ops.py", "--config", DEBUG, "--json", "/proc/mboost.json"),
+         ("--json", "/proc/mboost.json", "cannot create")),
+    Case("paper_table_unknown_row", tool("paper_table.py", "--rows", "99B"),
+         ("99B", "choose from")),
+    Case("init_time_repeats_not_a_number", tool("init_time.py", "--repeats", "many"),
+         ("--repeats", "many")),
+    Case("checkpoint_cost_unknown_option", tool("checkpoint_cost.py", "--bogus"), ("--bogus",)),
+    Case("precision_check_unknown_mode", tool("precision_check.py", "--config", DEBUG,
+                                              "--modes", "fast"), ("--modes", "fast")),
+    Case("plot_runs_unknown_option", tool("plot_runs.py", "{case}/r", "--bogus"), ("--bogus",)),
+    Case("summarize_run_unknown_option", tool("summarize_run.py", "{case}/r", "--bogus"),
+         ("--bogus",)),
+    Case("console_train_zero_processes",
+         lambda ctx: [sys.executable, "megatron-boost-train", "--nproc-per-node", "0", DEBUG],
+         ("--nproc-per-node", "0")),
+    Case("console_env_unknown_option",
+         lambda ctx: [sys.executable, "megatron-boost-env", "--bogus"], ("--bogus",)),
+    Case("bench_against_commit_zero_runs",
+         lambda ctx: [sys.executable, str(ROOT / "scripts" / "bench_against_commit.py"),
+                      "--commit", "HEAD", "--runs", "0", "--out", f"{ctx.case}/r.txt"],
+         ("--runs", "0")),
+    Case("compare_optimizers_iters_not_a_number",
+         lambda ctx: [sys.executable, str(ROOT / "scripts" / "compare_optimizers.py"),
+                      "--iters", "many"], ("--iters", "many")),
+    Case("render_docs_unknown_option",
+         lambda ctx: [sys.executable, str(ROOT / "scripts" / "render_docs.py"), "--bogus"],
+         ("--bogus",)),
+    Case("demo_argument_not_an_override", lambda ctx: ["bash", "scripts/demo.sh", "bogus"],
+         ("'bogus'", "section.key=value"), process=True),
+    Case("demo_data_two_directories", lambda ctx: ["bash", "scripts/demo_data.sh", "a", "b"],
+         ("2 arguments", "one"), process=True),
+    Case("import_example_unknown_argument",
+         lambda ctx: ["bash", "scripts/import_example.sh", "x"], ("'x'", "takes none"),
+         process=True),
+    Case("run_local_zero_processes",
+         lambda ctx: ["bash", "scripts/run_local.sh", "0", DEBUG], ("<nproc>", "'0'"),
+         process=True),
+    Case("test_sh_workers_not_a_number",
+         lambda ctx: ["env", "TEST_WORKERS=abc", "bash", "scripts/test.sh"],
+         ("TEST_WORKERS='abc'",), process=True),
+    Case("test_compat_workers_not_a_number",
+         lambda ctx: ["env", "TEST_WORKERS=abc", "bash", "scripts/test_compat.sh"],
+         ("TEST_WORKERS='abc'",), process=True),
+    Case("gpu_check_unknown_option",
+         lambda ctx: ["env", f"PYTHON={sys.executable}", "bash", "tools/gpu_check.sh", "--bogus"],
+         ("--bogus",), process=True),
+    Case("paper_table_sh_gpus_not_a_count",
+         lambda ctx: ["env", "MBOOST_GPUS=abc", "bash", "scripts/slurm/paper_table.sh",
+                      "--rows", "1B"], ("MBOOST_GPUS='abc'",), process=True),
+    Case("pretrain_sbatch_outside_slurm",
+         lambda ctx: ["env", "-u", "SLURM_JOB_ID", "bash", "scripts/slurm/pretrain.sbatch",
+                      DEBUG],
+         ("SLURM_JOB_ID",), process=True),
+    Case("submit_missing_config",
+         lambda ctx: ["bash", "scripts/slurm/submit.sh", f"{ctx.case}/none.yaml"],
+         ("none.yaml", "does not exist"), process=True),
 ]
 
 
@@ -660,7 +718,13 @@ def _snapshot(root: Path) -> dict:
 
 #: The entry-point file of a command line -> the module whose ``main(argv)`` it runs.
 MAINS = {"pretrain_lowrank.py": "megatron_boost.cli.pretrain",
-         **{p.name: f"megatron_boost.cli.{p.stem}" for p in (ROOT / "tools").glob("*.py")}}
+         **{p.name: f"megatron_boost.cli.{p.stem}" for p in (ROOT / "tools").glob("*.py")},
+         # entry points whose main is not a tools/ wrapper of megatron_boost.cli (the
+         # repository root is on the path: tools/ and scripts/ import as namespace packages)
+         "init_time.py": "tools.init_time",
+         **{p.name: f"scripts.{p.stem}" for p in (ROOT / "scripts").glob("*.py")},
+         "megatron-boost-train": "megatron_boost.cli.launch",
+         "megatron-boost-env": "megatron_boost.cli.env"}
 
 
 def _runs_in_process(case: Case, argv: list) -> bool:
@@ -737,13 +801,20 @@ def _environment_of_a_fresh_launch():
     """The environment ``_env()`` gives a subprocess, for the in-process cases: no torchrun
     variables, no MBOOST_TRACEBACK."""
     saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(_env())
+    _replace_environ(_env())
     try:
         yield
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        _replace_environ(saved)
+
+
+def _replace_environ(new: dict) -> None:
+    """os.environ becomes ``new`` without passing through an empty environment: the subprocess
+    cases' threads read it (``_env()``) meanwhile, and one that read it between a clear() and
+    an update() ran without PATH and PYTHONPATH."""
+    for key in [k for k in os.environ if k not in new]:
+        del os.environ[key]
+    os.environ.update(new)
 
 
 def _program_output(proc: subprocess.CompletedProcess) -> str:
