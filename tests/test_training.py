@@ -168,6 +168,11 @@ def test_resume_reproduces_uninterrupted_run_exactly(base, tmp_path):
     ckpt = run_dir / "checkpoints" / "iter_0000003"
     proc = run_training(2, BASE + [f"logging.run_dir={tmp_path}", f"checkpoint.load={ckpt}"])
     assert "resumed from" in proc.stdout and "at iteration 3" in proc.stdout
+    # the done line counts this launch's iterations and tokens, the run's totals apart
+    done = [line for line in proc.stdout.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith(
+        f"done: 3 iterations this launch (3 -> 6), {3 * 4 * 32:,} tokens in "), done
+    assert f"; run total 6 iterations, {6 * 4 * 32:,} tokens" in done[0], done
     ref, got = losses(run_dir), losses(tmp_path)
     assert sorted(got) == [4, 5, 6]
     for it in (4, 5, 6):

@@ -70,7 +70,6 @@ from megatron_boost.train.metrics import (
     LogWindow,
     MetricsWriter,
     Progress,
-    format_duration,
     format_log_line,
     format_validation_line,
     peak_memory_bytes,
@@ -534,11 +533,9 @@ class Trainer:
                f"(training stalled {time.perf_counter() - t0:.3f}s)")
 
     def print_summary(self) -> None:
-        s, seq = self.state, self.cfg.model.seq_length
-        seconds = time.perf_counter() - self.t_start
-        line = (f"done: {s.iteration} iterations, {s.consumed_samples * seq:,} tokens in "
-                f"{seconds:.1f}s ({format_duration(seconds)}, training loop "
-                f"{format_duration(self.progress.elapsed_s(time.perf_counter()))})")
+        s, now = self.state, time.perf_counter()
+        line = self.progress.done_line(now, now - self.t_start, s.iteration,
+                                       s.consumed_samples * self.cfg.model.seq_length)
         if self.last_validation is not None:
             it, val_loss, val_ppl = self.last_validation
             line += (f" | final validation (iteration {it}): val_loss {val_loss:.4f}, "
