@@ -470,8 +470,8 @@ def test_import_takes_the_hf_directory_tokenizer_and_writes_the_training_config(
     assert written["checkpoint"]["init_from"] == str(tmp_path / "imported")
     assert written["model"]["vocab_size"] == 400 and written["model"]["num_query_groups"] == 2
     assert written["data"]["data_path"] == ["data/corpus"]  # the rest is the config's
-    assert (f"torchrun --nproc_per_node=2 pretrain_lowrank.py --config "
-            f"{tmp_path / 'imported' / 'train.yaml'}\n") in out
+    # the README's launcher, run from this directory (the repository root), not bare torchrun
+    assert (f"  scripts/run_local.sh 2 {tmp_path / 'imported' / 'train.yaml'}\n") in out
     # the run directory lies beside the import (not runs/<name> under the current directory)
     # and the output says where; --run-dir chooses another
     assert written["logging"]["run_dir"] == str(tmp_path / "imported-run")
