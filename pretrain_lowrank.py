@@ -14,16 +14,7 @@ helper die with its rank, even after a SIGKILL (megatron_boost/runtime/lifetime.
 import megatron_boost  # noqa: F401
 
 if __name__ == "__main__":
-    import warnings
-
-    # Known, harmless warnings of megatron-core / torch on this stack (one per rank each).
-    for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                    "full scope is deprecated",
-                    "The .grad attribute of a Tensor that is not a leaf",
-                    "`torch.distributed.all_gather_into_tensor` is deprecated",
-                    "`torch.distributed.reduce_scatter_tensor` is deprecated",
-                    "`load_state_dict` is deprecated", "Please use DTensor instead"):
-        warnings.filterwarnings("ignore", message=pattern)
+    # megatron's known import notices are filtered by megatron_boost.cli (compat.py)
     from megatron_boost.cli.pretrain import main
 
     raise SystemExit(main())

@@ -36,6 +36,13 @@ megatron knowledge that is the same in every supported version, kept here with w
   replaces for a run; the collective recorder (analysis/collectives.py) only wraps, without
   changing them, megatron's gather/scatter functions while a measurement runs.
 
+megatron-core's (and torch's) known notices on this stack: "Transformer Engine and Apex are
+not installed" and the like, printed at import by every process that imports megatron (four
+lines for one tokenizer load) though nothing is wrong. :func:`quiet_known_warnings` filters
+exactly these messages (:data:`KNOWN_WARNINGS`); every entry point runs it first, as
+``megatron_boost/cli/__init__.py`` does (importing this module does not import megatron, so it
+runs before megatron is imported).
+
 Differences that need no branch, because one call serves every version: the checkpoint's
 common state moved from ``common.pt`` into the torch_dist shards in 0.17 (megatron's
 ``load_common_state_dict`` reads both; train/checkpoint_guard.py), and 0.19's vocab-parallel
@@ -49,9 +56,9 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import warnings
 from typing import FrozenSet, Optional, Tuple
 
-import megatron.core
 from packaging.version import Version
 
 __all__ = ["SUPPORTED_MEGATRON", "megatron_version", "megatron_supported",
@@ -61,7 +68,25 @@ __all__ = ["SUPPORTED_MEGATRON", "megatron_version", "megatron_supported",
            "linear_with_dgrad_allreduce", "forward_backward_func", "save_sharded",
            "load_sharded", "async_calls_queue", "ASYNC_SAVE_STRATEGY",
            "optimizer_reload_defects", "null_tokenizer", "rank_zero_without_process_group",
-           "optimizer_param_groups", "megatron_cuda_functions"]
+           "optimizer_param_groups", "megatron_cuda_functions", "KNOWN_WARNINGS",
+           "quiet_known_warnings"]
+
+#: Notices megatron-core 0.16-0.19 and torch print on this stack that say nothing is wrong:
+#: the CPU / no-TE fallbacks megatron takes by design here, and the deprecations of APIs that
+#: megatron itself still calls (megatron_boost calls none of them).
+KNOWN_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                  "full scope is deprecated",
+                  "The .grad attribute of a Tensor that is not a leaf",
+                  "`torch.distributed.all_gather_into_tensor` is deprecated",
+                  "`torch.distributed.reduce_scatter_tensor` is deprecated",
+                  "`load_state_dict` is deprecated", "Please use DTensor instead")
+
+
+def quiet_known_warnings() -> None:
+    """Filter :data:`KNOWN_WARNINGS` in this process (any other warning still prints)."""
+    for message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
 
 #: The megatron-core versions megatron-boost is tested with (pyproject.toml says the same).
 SUPPORTED_MEGATRON = ">=0.16,<0.20"
@@ -76,6 +101,8 @@ ASYNC_SAVE_STRATEGY = "mcore"
 def megatron_version(version: Optional[str] = None) -> Tuple[int, int, int]:
     """(major, minor, patch) of megatron-core (or of ``version``). A source checkout appends
     ``+<git hash>`` to ``megatron.core.__version__``; pre-release tags are ignored too."""
+    import megatron.core  # here, not at the top: quiet_known_warnings runs before megatron
+
     release = Version(version or megatron.core.__version__).release
     return tuple((list(release) + [0, 0, 0])[:3])
 
@@ -89,6 +116,8 @@ def check_megatron_version(version: Optional[str] = None) -> None:
     """Stop (``ValueError``, one line) on a megatron-core outside the tested range. Called
     before any distributed work (train/distributed.py)."""
     if not megatron_supported(version):
+        import megatron.core
+
         found = version or megatron.core.__version__
         raise ValueError(
             f"megatron-core {found} is outside the range megatron-boost is tested with "

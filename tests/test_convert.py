@@ -470,8 +470,8 @@ def test_import_takes_the_hf_directory_tokenizer_and_writes_the_training_config(
     assert written["checkpoint"]["init_from"] == str(tmp_path / "imported")
     assert written["model"]["vocab_size"] == 400 and written["model"]["num_query_groups"] == 2
     assert written["data"]["data_path"] == ["data/corpus"]  # the rest is the config's
-    assert (f"torchrun --nproc_per_node=2 pretrain_lowrank.py --config "
-            f"{tmp_path / 'imported' / 'train.yaml'}\n") in out
+    # the README's launcher, run from this directory (the repository root), not bare torchrun
+    assert (f"  scripts/run_local.sh 2 {tmp_path / 'imported' / 'train.yaml'}\n") in out
     # the run directory lies beside the import (not runs/<name> under the current directory)
     # and the output says where; --run-dir chooses another
     assert written["logging"]["run_dir"] == str(tmp_path / "imported-run")
@@ -552,3 +552,27 @@ def test_init_from_an_import_then_relaunch_resumes(tmp_path):
     assert f"resumed from {run_dir / 'checkpoints'}" in out and f"at iteration {saved} " in out, \
         out[-3000:]
     assert "initialised from" not in out
+
+
+def test_an_exports_tokenizer_is_a_stock_one(checkpoint, tmp_path):
+    """The export's tokenizer is a stock transformers class over a tokenizer.json: it loads
+    without running the export's code, as PreTrainedTokenizerFast or as AutoTokenizer with
+    trust_remote_code=False (transformers' AutoTokenizer also reads config.json, whose CoLA
+    class is the export's own code, and asks about it unless told: README, section 5), and
+    gives the training tokenizer's ids."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from megatron_boost.data.datasets import build_tokenizer
+
+    ckpt = checkpoint("boost_tp2_pp2")
+    assert export(ckpt, tmp_path / "hf") == 0
+    hf = tmp_path / "hf"
+    tokenizer_config = json.loads((hf / "tokenizer_config.json").read_text())
+    assert "auto_map" not in tokenizer_config and (hf / "tokenizer.json").is_file()
+    cfg, _ = mb.saved_run_config(mb.resolve_checkpoint(ckpt))
+    text = sample_text()[:2000] + "\n  two  spaces and\ttabs "
+    expected = list(build_tokenizer(cfg.data).tokenize(text))
+    for tok in (PreTrainedTokenizerFast.from_pretrained(str(hf)),
+                AutoTokenizer.from_pretrained(str(hf), trust_remote_code=False)):
+        assert type(tok).__module__.startswith("transformers."), type(tok)
+        assert tok(text)["input_ids"] == expected

@@ -125,6 +125,15 @@ def test_end_to_end_metrics_and_checkpoint(base):
     assert lines[-1].endswith(" | ETA 0s"), lines[-1]
     assert any(line.startswith("done: ") and "training loop " in line
                for line in proc.stdout.splitlines()), proc.stdout[-2000:]
+    # the phases before the first iteration: one line each, in order, with the time so far
+    out = proc.stdout.splitlines()
+    first_iter = next(i for i, line in enumerate(out) if line.startswith("iter "))
+    setup = [line.split(" ", 2) for line in out[:first_iter] if line.startswith("setup ")]
+    assert [what for _, _, what in setup] == [
+        "building the model and the optimizer", "building the datasets",
+        "first training step (iteration 1: the slowest)"], out[:first_iter]
+    seconds = [float(at.rstrip("s:")) for _, at, _ in setup]
+    assert seconds == sorted(seconds)
     evals = [r for r in recs if "val_loss" in r]
     assert [r["iteration"] for r in evals] == [3, 6]
     for r in evals:
@@ -168,6 +177,11 @@ def test_resume_reproduces_uninterrupted_run_exactly(base, tmp_path):
     ckpt = run_dir / "checkpoints" / "iter_0000003"
     proc = run_training(2, BASE + [f"logging.run_dir={tmp_path}", f"checkpoint.load={ckpt}"])
     assert "resumed from" in proc.stdout and "at iteration 3" in proc.stdout
+    # the done line counts this launch's iterations and tokens, the run's totals apart
+    done = [line for line in proc.stdout.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith(
+        f"done: 3 iterations this launch (3 -> 6), {3 * 4 * 32:,} tokens in "), done
+    assert f"; run total 6 iterations, {6 * 4 * 32:,} tokens" in done[0], done
     ref, got = losses(run_dir), losses(tmp_path)
     assert sorted(got) == [4, 5, 6]
     for it in (4, 5, 6):

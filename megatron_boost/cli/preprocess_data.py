@@ -115,16 +115,18 @@ def _tokenize(item: tuple[str, str, str]) -> tuple[list[list[int]], int, str]:
 
 
 class _Progress:
-    """tqdm when installed, else a counter on stderr refreshed at most once a second.
+    """tqdm when installed, else a counter on stderr refreshed at most once a second; neither
+    where stderr is not a terminal (a log file would fill with carriage returns).
 
     ``total`` is the number of documents, or ``None`` when unknown (JSONL inputs).
     """
 
     def __init__(self, total: int | None) -> None:
+        self._quiet = not sys.stderr.isatty()
         try:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="doc", file=sys.stderr)
+            self._bar = tqdm(total=total, unit="doc", file=sys.stderr, disable=None)
         except ImportError:
             self._bar = None
         self.total, self.count, self._last = total, 0, 0.0
@@ -133,7 +135,7 @@ class _Progress:
         self.count += 1
         if self._bar is not None:
             self._bar.update(1)
-        elif time.perf_counter() - self._last >= 1.0:
+        elif not self._quiet and time.perf_counter() - self._last >= 1.0:
             self._last = time.perf_counter()
             self._print()
 
@@ -144,7 +146,7 @@ class _Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        elif self.count:
+        elif self.count and not self._quiet:
             self._print()  # the final count, which the once-a-second refresh may have skipped
             print(file=sys.stderr)
 

@@ -310,21 +310,19 @@ def write_training_config(cfg, out: Path, run_dir: str) -> Path:
 
 
 def training_command(cfg, run_yaml: Path) -> str:
-    """The command that trains the imported model (its layout's process count; the data
-    prefix stays a placeholder when the configuration names none)."""
+    """The command that trains the imported model through the project's launcher (its layout's
+    process count; the data prefix stays a placeholder when the configuration names none)."""
     procs = cfg.parallel.tp * cfg.parallel.pp
-    script = _entry_script()
-    launch = (f"torchrun --nproc_per_node={procs} {script}" if procs > 1
-              else f"python {script}")
     data = "" if cfg.data.data_path or cfg.data.mock else " 'data.data_path=[PREFIX]'"
-    return f"{launch} --config {run_yaml}{data}"
+    return f"{_launcher(procs, run_yaml)}{data}"
 
 
-def _entry_script() -> str:
-    """The trainer's script as the printed command must name it from this directory:
-    ``pretrain_lowrank.py`` at the repository root, else its path (relative when shorter)."""
-    script = Path(__file__).resolve().parents[2] / "pretrain_lowrank.py"
+def _launcher(procs: int, run_yaml: Path) -> str:
+    """The launcher as the README runs it (validation first, one error line, Ctrl-C saves):
+    ``scripts/run_local.sh`` of the repository, named as the printed command must name it from
+    this directory (relative when shorter), else the installed ``megatron-boost-train``."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "run_local.sh"
     if not script.is_file():
-        return "pretrain_lowrank.py"
+        return f"megatron-boost-train --nproc-per-node {procs} --config {run_yaml}"
     relative = os.path.relpath(script)
-    return relative if len(relative) <= len(str(script)) else str(script)
+    return f"{relative if len(relative) <= len(str(script)) else script} {procs} {run_yaml}"

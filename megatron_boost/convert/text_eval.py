@@ -2,9 +2,9 @@
 
 The token ids are cut into consecutive windows of ``seq_length`` tokens (the last one may be
 shorter); a window of n tokens scores its tokens 2..n, each from the ones before it, so the
-text's loss is the sum of n - 1 token losses per window. An HF model scores one window at a
-time in this process; a megatron-boost checkpoint is scored in the launched layout
-(``megatron_side.launched_world``): every global batch of windows is split over the
+text's loss is the sum of n - 1 token losses per window. An HF model scores a batch of
+windows at a time in this process; a megatron-boost checkpoint is scored in the launched
+layout (``megatron_side.launched_world``): every global batch of windows is split over the
 data-parallel ranks, each rank runs megatron's forward-only schedule over its micro-batches, and
 the summed token losses meet in one all-reduce.
 """
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megatron_boost.convert import megatron_side as mb
 from megatron_boost.convert.scoring import summed_loss
 
-__all__ = ["text_windows", "predicted_tokens", "window_batch", "hf_summed_loss",
-           "layout_summed_loss"]
+__all__ = ["text_windows", "predicted_tokens", "window_batch", "same_length_batches",
+           "hf_summed_loss", "layout_summed_loss"]
 
 
 def text_windows(ids: List[int], seq_length: int) -> List[List[int]]:
@@ -50,13 +50,26 @@ def window_batch(windows: List[List[int]], seq_length: int) -> dict:
             "position_ids": position_ids}
 
 
-def hf_summed_loss(logits_fn: Callable, windows: Iterable[List[int]]) -> float:
-    """Σ token losses of an HF model (``logits_fn([1, s] ids) -> [1, s, V]``), one window at a
-    time."""
-    total = 0.0
+def same_length_batches(windows: List[List[int]], batch_size: int) -> List[List[List[int]]]:
+    """Consecutive windows in batches of at most ``batch_size``, a batch's windows of one
+    length (only the last window may be shorter: it goes alone), so a batch needs no padding."""
+    batches: List[List[List[int]]] = []
     for w in windows:
-        t = torch.tensor([w])  # [1, s]
-        total += summed_loss(logits_fn(t)[0], t[0])
+        if batches and len(batches[-1]) < batch_size and len(batches[-1][0]) == len(w):
+            batches[-1].append(w)
+        else:
+            batches.append([w])
+    return batches
+
+
+def hf_summed_loss(logits_fn: Callable, batches: Iterable[List[List[int]]]) -> float:
+    """Σ token losses of an HF model (``logits_fn([b, s] ids) -> [b, s, V]``), a batch of
+    windows of one length (:func:`same_length_batches`) per forward."""
+    total = 0.0
+    for batch in batches:
+        t = torch.tensor(batch)  # [b, s]
+        logits = logits_fn(t)  # [b, s, V]
+        total += sum(summed_loss(logits[row], t[row]) for row in range(len(batch)))
     return total
 
 

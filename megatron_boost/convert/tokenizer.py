@@ -3,8 +3,9 @@
 A SentencePiece model is converted by transformers (``LlamaTokenizer`` reads ``tokenizer.model``;
 the conversion needs ``protobuf``) into a ``tokenizer.json``. transformers' Metaspace
 pre-tokenizer does not add SentencePiece's dummy prefix before text that starts with a space
-(" Hello" loses one "▁"), so the normaliser is set to exactly SentencePiece's: prepend "▁",
-then every space becomes "▁". No BOS/EOS is added: the training data are the plain
+(" Hello" loses one "▁"), so the normaliser is set to exactly SentencePiece's: prepend "▁" (only
+when the model adds that dummy prefix: ``train_tokenizer.py --kind code`` does not), then every
+space becomes "▁"; the decoder drops the prefix's space only where it was added. No BOS/EOS is added: the training data are the plain
 SentencePiece ids with EOS only as the end-of-document token (``tools/preprocess_data.py``).
 """
 
@@ -20,16 +21,36 @@ __all__ = ["hf_tokenizer", "check_same_ids"]
 _SPIECE = "▁"
 
 
+def _adds_dummy_prefix(model_file: str) -> bool:
+    """Whether the SentencePiece model prepends "▁" to the text it encodes."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(model_file).read_bytes())
+    return proto.normalizer_spec.add_dummy_prefix
+
+
+def _spiece_normalizer_and_decoder(dummy_prefix: bool):
+    """SentencePiece's own normaliser and decoder as ``tokenizers`` components."""
+    from tokenizers import decoders, normalizers
+
+    to_spiece = normalizers.Replace(" ", _SPIECE)
+    from_spiece = [decoders.Replace(_SPIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if not dummy_prefix:
+        return to_spiece, decoders.Sequence(from_spiece)
+    return (normalizers.Sequence([normalizers.Prepend(_SPIECE), to_spiece]),
+            decoders.Sequence([*from_spiece, decoders.Strip(" ", 1, 0)]))
+
+
 def _from_sentencepiece(model_file: str):
-    from tokenizers import normalizers
     from transformers import LlamaTokenizer, PreTrainedTokenizerFast
 
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(model_file, Path(tmp) / "tokenizer.model")
         converted = LlamaTokenizer.from_pretrained(tmp)
     backend = converted.backend_tokenizer
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPIECE),
-                                               normalizers.Replace(" ", _SPIECE)])
+    backend.normalizer, backend.decoder = _spiece_normalizer_and_decoder(
+        _adds_dummy_prefix(model_file))
     backend.pre_tokenizer = None
     import sentencepiece as spm
 

@@ -93,6 +93,18 @@ class Progress:
             done, remaining = iteration - self.start_iteration, self.train_iters - iteration
         return remaining * elapsed / done if done > 0 and elapsed > 0 else None
 
+    def done_line(self, now: float, launch_s: float, iteration: int, tokens: int) -> str:
+        """The ``done:`` line's figures: this launch's iterations, tokens and time (``launch_s``
+        since the process started, the training loop's since it began); after a resume the
+        run's totals apart, so a relaunch is not credited with the iterations before it."""
+        timing = (f"in {launch_s:.1f}s ({format_duration(launch_s)}, training loop "
+                  f"{format_duration(self.elapsed_s(now))})")
+        if self.start_iteration == 0:
+            return f"done: {iteration} iterations, {tokens:,} tokens {timing}"
+        return (f"done: {iteration - self.start_iteration} iterations this launch "
+                f"({self.start_iteration} -> {iteration}), {tokens - self.start_tokens:,} tokens "
+                f"{timing}; run total {iteration} iterations, {tokens:,} tokens")
+
 
 def format_duration(seconds: Optional[float]) -> str:
     """``45s``, ``12m05s``, ``3h07m``, ``2d04h``: the precision a person reads at a glance."""

@@ -70,7 +70,6 @@ from megatron_boost.train.metrics import (
     LogWindow,
     MetricsWriter,
     Progress,
-    format_duration,
     format_log_line,
     format_validation_line,
     peak_memory_bytes,
@@ -150,12 +149,14 @@ class Trainer:
         self._init_parallel()
         self.run_dir = Path(cfg.logging.run_dir)
         self.save_dir = cfg.checkpoint.save or str(self.run_dir / "checkpoints")
+        self._phase("building the model and the optimizer")
         self._build_model()
         resume_from = self._check_inputs()
         self._prepare_run_dir()
         self.writer = CheckpointWriter(self.save_dir, cfg.checkpoint.async_save,
                                        cfg.checkpoint.keep_last, self.fault_injector)
         self.state, self.last_saved = self._resume(*resume_from)
+        self._phase("building the datasets")
         self._build_data()
         self.flops_per_token = flops_per_token(cfg, cfg.parallel.mode,
                                                vocab_size=self.padded_vocab)
@@ -165,6 +166,11 @@ class Trainer:
         self.last_validation = None  # (iteration, val_loss, val_ppl)
 
     # ---- set-up ----------------------------------------------------------------------------
+
+    def _phase(self, what: str) -> None:
+        """One line (rank 0) as a phase before the first log line starts: each can take
+        minutes (megatron's build, the datasets' index files, the first step's compilation)."""
+        print0(f"setup {time.perf_counter() - self.t_start:.1f}s: {what}")
 
     def _init_parallel(self) -> None:
         t, par = self.cfg.training, self.cfg.parallel
@@ -311,6 +317,8 @@ class Trainer:
         if self.stall_watch is not None:
             self.stall_watch.start()
         try:
+            if start < self.train_iters:
+                self._phase(f"first training step (iteration {start + 1}: the slowest)")
             while self.state.iteration < self.train_iters:
                 if self.iteration():
                     return PREEMPT_EXIT_CODE
@@ -534,11 +542,9 @@ class Trainer:
                f"(training stalled {time.perf_counter() - t0:.3f}s)")
 
     def print_summary(self) -> None:
-        s, seq = self.state, self.cfg.model.seq_length
-        seconds = time.perf_counter() - self.t_start
-        line = (f"done: {s.iteration} iterations, {s.consumed_samples * seq:,} tokens in "
-                f"{seconds:.1f}s ({format_duration(seconds)}, training loop "
-                f"{format_duration(self.progress.elapsed_s(time.perf_counter()))})")
+        s, now = self.state, time.perf_counter()
+        line = self.progress.done_line(now, now - self.t_start, s.iteration,
+                                       s.consumed_samples * self.cfg.model.seq_length)
         if self.last_validation is not None:
             it, val_loss, val_ppl = self.last_validation
             line += (f" | final validation (iteration {it}): val_loss {val_loss:.4f}, "
