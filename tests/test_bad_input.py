@@ -601,6 +601,10 @@ CASES = [
     Case("benchmark_bad_recompute", tool("benchmark.py", "--config", DEBUG, "--tp", "1",
                                          "--recompute", "sometimes"),
          ("--recompute", "sometimes"), process=True),
+    # -- the resume contract (config/resume_contract.py): the data-loss case ----------
+    Case("checkpoint_tied_changed", resume("model.share_embeddings_and_output_weights=true"),
+         ("model.share_embeddings_and_output_weights=False", "sets True",
+          "checkpoint.init_from="), setup=checkpoint(), uses_checkpoint=True),
 ]
 
 

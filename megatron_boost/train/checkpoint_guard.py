@@ -17,9 +17,9 @@ missing, truncated or corrupted shard; with several ranks each checks only its o
 ``torch.load(weights_only=True)``), :func:`check_tensor_shapes` (every tensor the model
 expects exists with the same global shape; the first mismatch is named with both shapes),
 :func:`check_sharded_objects` (every object too, except a module's extra state the checkpoint
-has none of, which :func:`without_unsaved_extra_state` leaves out of the load) and
-:func:`check_architecture` (settings that change no shape: the bottleneck activation, the
-RoPE base, full-rank vs low-rank).
+has none of, which :func:`without_unsaved_extra_state` leaves out of the load); then the run
+config against the checkpoint's (the resume contract, :mod:`megatron_boost.config.
+resume_contract`).
 
 Safe loading: megatron-core 0.16 reads the common state (``common.pt``) and the sharded objects
 (RNG state) with ``torch.load`` without a ``weights_only`` argument, i.e. torch's default,
@@ -45,7 +45,7 @@ __all__ = [
     "TRACKER_FILE", "MANIFEST_FILE", "iter_dir_name",
     "temp_dir_for", "read_tracker", "write_manifest", "verify_manifest", "commit_checkpoint",
     "in_share", "shard_entries",
-    "prune_checkpoints", "read_common_state", "check_tensor_shapes", "check_architecture",
+    "prune_checkpoints", "read_common_state", "check_tensor_shapes",
     "EXTRA_STATE_SUFFIX", "check_sharded_objects", "without_unsaved_extra_state",
 ]
 
@@ -57,9 +57,6 @@ _CRC_CHUNK = 1 << 22
 _SHAPE_KEYS = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
                "model.num_attention_heads", "model.num_query_groups", "model.kv_channels",
                "model.attn_rank", "model.mlp_rank", "model.rank_ratio")
-# Run-config keys that change the computed function without changing any tensor's shape.
-_SHAPELESS_ARCH_KEYS = ("model.bottleneck_activation", "model.mlp_gate_activation",
-                        "model.rotary_base")
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -368,17 +365,3 @@ def check_tensor_shapes(ckpt_dir: Path, sharded_sd: dict, saved_cfg: Optional[Di
 def _lookup(cfg: Dict, dotted: str):
     section, key = dotted.split(".")
     return cfg.get(section, {}).get(key)
-
-
-def check_architecture(ckpt_dir: Path, saved_cfg: Dict, current_cfg: Dict) -> None:
-    """Settings that change the model without changing a shape must match the checkpoint."""
-    for dotted in _SHAPELESS_ARCH_KEYS:
-        have, want = _lookup(saved_cfg, dotted), _lookup(current_cfg, dotted)
-        if have != want:
-            raise ValueError(f"checkpoint {ckpt_dir} was trained with {dotted}={have!r}, this "
-                             f"run sets {want!r}; the weights would compute another function")
-    lowrank = [_lookup(c, "parallel.mode") != "full" for c in (saved_cfg, current_cfg)]
-    if lowrank[0] != lowrank[1]:
-        raise ValueError(f"checkpoint {ckpt_dir} is a {'low-rank' if lowrank[0] else 'full'}"
-                         f" model (parallel.mode={_lookup(saved_cfg, 'parallel.mode')!r}); "
-                         f"this run sets parallel.mode={_lookup(current_cfg, 'parallel.mode')!r}")

@@ -31,11 +31,11 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_boost.compat import load_sharded
+from megatron_boost.config.resume_contract import check_resume_contract
 from megatron_boost.runtime.cpu_mode import is_cpu_mode
 from megatron_boost.train.checkpoint_guard import (
     EXTRA_STATE_SUFFIX,
     TRACKER_FILE,
-    check_architecture,
     check_sharded_objects,
     check_tensor_shapes,
     iter_dir_name,
@@ -172,16 +172,6 @@ def check_format_version(saved: dict, ckpt_dir) -> None:
                          f"megatron-boost reads format version {CHECKPOINT_FORMAT_VERSION}")
 
 
-def _read_saved_state(ckpt_dir: Path, load_optim: bool, distributed: bool) -> dict:
-    """The checkpoint's ``boost_state``, checked against this run."""
-    saved = read_common_state(ckpt_dir)
-    check_format_version(saved, ckpt_dir)
-    if load_optim and bool(saved.get("use_distributed_optimizer")) != distributed:
-        raise ValueError(
-            f"checkpoint {ckpt_dir} was saved with parallel.use_distributed_optimizer="
-            f"{saved.get('use_distributed_optimizer')}; resume with the same setting or set "
-            f"checkpoint.no_load_optim=true (weights only, fresh optimizer state)")
-    return saved
 
 
 def verify_manifest_shared(ckpt_dir: Path) -> None:
@@ -206,16 +196,19 @@ def verify_manifest_shared(ckpt_dir: Path) -> None:
 
 def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg, weights_only: bool = False) -> dict:
     """Every check that can fail before a tensor is read: files against the manifest, the
-    common state (format, optimizer kind unless ``weights_only``), each model tensor's global
-    shape, and the settings that change no shape. Returns the checkpoint's ``boost_state``."""
+    common state (its format), each model tensor's global shape, every object, then the
+    run config against the checkpoint's: the resume contract (config/resume_contract.py; for
+    ``weights_only``, checkpoint.init_from, only the keys the weights' function depends on).
+    Returns the checkpoint's ``boost_state``."""
     verify_manifest_shared(ckpt_dir)
-    load_optim = not (run_cfg.checkpoint.no_load_optim or weights_only)
-    saved = _read_saved_state(ckpt_dir, load_optim, run_cfg.parallel.use_distributed_optimizer)
+    saved = read_common_state(ckpt_dir)
+    check_format_version(saved, ckpt_dir)
     model_sd = _model_sharded_state_dict(ddp_chunks)
-    check_tensor_shapes(ckpt_dir, model_sd, saved.get("run_config", {}),
-                        dataclasses.asdict(run_cfg))
+    saved_cfg, current_cfg = saved.get("run_config", {}), dataclasses.asdict(run_cfg)
+    check_tensor_shapes(ckpt_dir, model_sd, saved_cfg, current_cfg)
     check_sharded_objects(ckpt_dir, model_sd)
-    check_architecture(ckpt_dir, saved.get("run_config", {}), dataclasses.asdict(run_cfg))
+    check_resume_contract(ckpt_dir, saved_cfg, current_cfg, weights_only=weights_only,
+                          load_optim=not run_cfg.checkpoint.no_load_optim)
     return saved
 
 
