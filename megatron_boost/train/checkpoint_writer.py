@@ -87,6 +87,8 @@ class CheckpointWriter:
             commit()
             return
         request = save_sharded(sharded_sd, str(temp), async_save=True)
+        if self.fault_injector is not None:
+            request = self.fault_injector.slow_background_write(request)
         request.add_finalize_fn(commit)
         self.queue.schedule_async_request(request)
 

@@ -54,6 +54,7 @@ from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.data.validation import validate_data_files
 from megatron_boost.runtime.backends import format_fusions
+from megatron_boost.runtime.lifetime import forked_children_die_with_parent
 from megatron_boost.train import step
 from megatron_boost.train.build import build_run
 from megatron_boost.train.checkpoint_guard import TRACKER_FILE, iter_dir_name
@@ -109,6 +110,7 @@ def train(cfg, device: str, on_stall=None) -> int:
     cleared and its signal handlers restored, so a process of one rank (a notebook, a script)
     can train again. A second run in the same torchrun-launched processes needs a rendezvous
     of its own (a new ``MASTER_PORT``): torch's store still holds the first run's keys."""
+    forked_children_die_with_parent()  # megatron's forked checkpoint writers, DataLoader workers
     init_distributed(device, collective_timeout(cfg.parallel.timeout_minutes, device))
     previous_handlers = install_signal_handlers()
     lock = RunLock()  # taken by rank 0 once the inputs are checked, released however it ends
