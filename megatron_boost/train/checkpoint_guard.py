@@ -45,7 +45,8 @@ __all__ = [
     "TRACKER_FILE", "MANIFEST_FILE", "iter_dir_name",
     "temp_dir_for", "read_tracker", "write_manifest", "verify_manifest", "commit_checkpoint",
     "in_share", "shard_entries",
-    "prune_checkpoints", "read_common_state", "check_tensor_shapes",
+    "prune_checkpoints", "newest_intact_before", "damaged_checkpoint_hint",
+    "read_common_state", "check_tensor_shapes",
     "EXTRA_STATE_SUFFIX", "check_sharded_objects", "without_unsaved_extra_state",
 ]
 
@@ -216,6 +217,37 @@ def _complete_iterations(save_dir: Path) -> List[int]:
         if p.is_dir() and suffix.isdigit() and (p / MANIFEST_FILE).is_file():
             its.append(int(suffix))
     return sorted(its)
+
+
+def newest_intact_before(ckpt_dir: Path) -> Optional[int]:
+    """The newest complete checkpoint of ``ckpt_dir``'s save directory older than it whose
+    every file passes its manifest (:func:`verify_manifest`); None if there is none."""
+    ckpt_dir = Path(ckpt_dir)
+    suffix = ckpt_dir.name[len("iter_"):]
+    if not (ckpt_dir.name.startswith("iter_") and suffix.isdigit()):
+        return None
+    for iteration in reversed(_complete_iterations(ckpt_dir.parent)):
+        if iteration >= int(suffix):
+            continue
+        try:
+            verify_manifest(ckpt_dir.parent / iter_dir_name(iteration))
+        except (ValueError, OSError):
+            continue
+        return iteration
+    return None
+
+
+def damaged_checkpoint_hint(ckpt_dir: Path, intact: Optional[int]) -> str:
+    """What a user whose checkpoint ``ckpt_dir`` is damaged can resume from: the newest
+    intact one (``intact``, :func:`newest_intact_before`) and how, or that there is none."""
+    save_dir = Path(ckpt_dir).parent
+    if intact is None:
+        return (f"no earlier intact checkpoint in {save_dir}: start a new run directory "
+                f"(checkpoint.init_from can start it from other weights)")
+    older = save_dir / iter_dir_name(intact)
+    return (f"the newest intact checkpoint is iteration {intact}: to resume from it, write "
+            f"{intact} into {save_dir / TRACKER_FILE} (then {Path(ckpt_dir).name} can be "
+            f"removed), or set checkpoint.load={older} for this launch")
 
 
 def prune_checkpoints(save_dir: Path, keep_last: Optional[int]) -> List[Path]:

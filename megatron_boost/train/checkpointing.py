@@ -38,7 +38,9 @@ from megatron_boost.train.checkpoint_guard import (
     TRACKER_FILE,
     check_sharded_objects,
     check_tensor_shapes,
+    damaged_checkpoint_hint,
     iter_dir_name,
+    newest_intact_before,
     read_common_state,
     read_tracker,
     verify_manifest,
@@ -194,14 +196,29 @@ def verify_manifest_shared(ckpt_dir: Path) -> None:
         raise ValueError(first)
 
 
+def _agreed_damage_hint(ckpt_dir: Path) -> str:
+    """:func:`damaged_checkpoint_hint`, the older checkpoints verified by rank 0 only and
+    its finding given to every rank (all raise the same line)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    found = [None]
+    if not distributed or dist.get_rank() == 0:
+        found = [newest_intact_before(ckpt_dir)]
+    if distributed and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    return damaged_checkpoint_hint(ckpt_dir, found[0])
+
+
 def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg, weights_only: bool = False) -> dict:
     """Every check that can fail before a tensor is read: files against the manifest, the
     common state (its format), each model tensor's global shape, every object, then the
     run config against the checkpoint's: the resume contract (config/resume_contract.py; for
     ``weights_only``, checkpoint.init_from, only the keys the weights' function depends on).
     Returns the checkpoint's ``boost_state``."""
-    verify_manifest_shared(ckpt_dir)
-    saved = read_common_state(ckpt_dir)
+    try:
+        verify_manifest_shared(ckpt_dir)
+        saved = read_common_state(ckpt_dir)
+    except ValueError as err:  # damaged: say what the user can resume from instead
+        raise ValueError(f"{err}; {_agreed_damage_hint(ckpt_dir)}") from None
     check_format_version(saved, ckpt_dir)
     model_sd = _model_sharded_state_dict(ddp_chunks)
     saved_cfg, current_cfg = saved.get("run_config", {}), dataclasses.asdict(run_cfg)
