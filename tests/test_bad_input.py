@@ -670,6 +670,10 @@ CASES = [
     Case("submit_missing_config",
          lambda ctx: ["bash", "scripts/slurm/submit.sh", f"{ctx.case}/none.yaml"],
          ("none.yaml", "does not exist"), process=True),
+    # -- the resume contract (config/resume_contract.py): the data-loss case ----------
+    Case("checkpoint_tied_changed", resume("model.share_embeddings_and_output_weights=true"),
+         ("model.share_embeddings_and_output_weights=False", "sets True",
+          "checkpoint.init_from="), setup=checkpoint(), uses_checkpoint=True),
 ]
 
 

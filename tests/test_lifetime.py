@@ -3,7 +3,10 @@
 A process that imports the package the way ``pretrain_lowrank.py`` does saves a checkpoint with
 megatron's dist_checkpointing (which starts a spawn-method Manager server and, with it,
 multiprocessing's resource tracker), then is killed with SIGKILL. Every process it started must
-be gone within a few seconds.
+be gone within a few seconds. The same for forked processes: a process with the fork hook
+forks a child the way megatron's asynchronous save does (``mp.get_context("fork")``), which
+forks a grandchild (megatron's shard writer), and is killed; and a training run with
+asynchronous saves is killed while its forked background writer runs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,32 @@ if __name__ == "__main__":
     state = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4), replica_id=0)}
     dist_checkpointing.save(state, sys.argv[1])
     print("saved", flush=True)
+    time.sleep(600)
+'''
+
+FORKS = '''
+import multiprocessing as mp
+import os
+import sys
+import time
+
+from megatron_boost.runtime.lifetime import forked_children_die_with_parent
+
+
+def writer():
+    time.sleep(600)
+
+
+def caller():  # megatron's forked async caller, which forks its writers
+    mp.get_context("fork").Process(target=writer).start()
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "hook":
+        forked_children_die_with_parent()
+    mp.get_context("fork").Process(target=caller).start()
+    print("forked", flush=True)
     time.sleep(600)
 '''
 
@@ -89,3 +118,76 @@ def test_children_of_a_killed_rank_exit(tmp_path):
             proc.kill()  # only processes this test started (psutil checks the start time)
         if rank.poll() is None:
             rank.kill()
+
+
+def _kill_and_find_survivors(rank: subprocess.Popen, expected: int) -> list:
+    """SIGKILL ``rank`` once it has ``expected`` descendants; those still running
+    :data:`GONE_WITHIN_S` later (the survivors are killed afterwards by the caller)."""
+    deadline = time.monotonic() + 240
+    children = []
+    while len(children) < expected and time.monotonic() < deadline and rank.poll() is None:
+        time.sleep(0.1)
+        children = psutil.Process(rank.pid).children(recursive=True)
+    assert len(children) >= expected, f"only {len(children)} descendants: nothing is tested"
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.wait(timeout=30)
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while _alive(children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return children
+
+
+def test_forked_children_and_theirs_die_with_a_killed_process(tmp_path):
+    script = tmp_path / "forks.py"
+    script.write_text(FORKS)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    rank = subprocess.Popen([sys.executable, str(script), "hook"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children = []
+    try:
+        children = _kill_and_find_survivors(rank, expected=2)
+        survivors = _alive(children)
+        assert not survivors, f"{len(survivors)} forked processes outlived their killed parent"
+    finally:
+        for proc in _alive(children):
+            proc.kill()
+        if rank.poll() is None:
+            rank.kill()
+
+
+def test_a_rank_killed_during_an_asynchronous_save_leaves_no_process(tmp_path):
+    """The run sleeps in its background write (``MEGATRON_BOOST_TEST_WRITE_SLEEP``), in the
+    process megatron forked for it, where the kill comes."""
+    from tests.test_training import _cmd, _env
+
+    cmd = _cmd(1, ["training.train_iters=4", "checkpoint.save_interval=1",
+                   "checkpoint.async_save=true", "training.eval_interval=100",
+                   f"logging.run_dir={tmp_path / 'run'}"])
+    env = dict(_env(), MEGATRON_BOOST_TEST_WRITE_SLEEP="600")
+    rank = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    children = []
+    try:
+        forked = []
+        deadline = time.monotonic() + 240
+        while not forked and time.monotonic() < deadline and rank.poll() is None:
+            time.sleep(0.1)
+            me = psutil.Process(rank.pid)
+            forked = [c for c in me.children() if _cmdline(c) == _cmdline(me)]
+        assert forked, "no background writer was forked: nothing is tested"
+        children = _kill_and_find_survivors(rank, expected=1)
+        survivors = _alive(children)
+        assert not survivors, (f"{len(survivors)} of {len(children)} processes of the killed "
+                               f"rank still run: {[_cmdline(p)[-3:] for p in survivors]}")
+    finally:
+        for proc in _alive(children):
+            proc.kill()
+        if rank.poll() is None:
+            rank.kill()
+
+
+def _cmdline(proc) -> list:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []

@@ -6,7 +6,8 @@
 
 A ``ValueError`` raised before training starts (configuration, data, layout, checkpoint) ends
 the process with one line, ``error: <message>`` on stderr, and exit status 2; a fault during
-training (too many consecutive non-finite steps, an unresponsive rank) with one such line and
+training (too many consecutive non-finite steps, an unresponsive rank, a checkpoint save the
+file system refuses: train/save_faults.py) with one such line and
 status 1 (``MBOOST_TRACEBACK=1`` shows the traceback). Any other error during training,
 ``ValueError`` included, is not a usage error: it ends in its traceback (status 1). Every
 rank prints the error it raised, a rank other than 0 naming itself (``error: rank 1: ...``):
@@ -28,6 +29,7 @@ from typing import List, Optional
 from megatron_boost.cli.arg_types import positive_int
 from megatron_boost.cli.errors import USAGE_ERROR_EXIT_CODE, print_error
 from megatron_boost.train.resilience import RankTimeout, TrainingDiverged
+from megatron_boost.train.save_faults import CheckpointSaveFailed
 
 __all__ = ["main", "parse_args", "select_device", "CONFIG_ERROR_EXIT_CODE", "FAULT_EXIT_CODE"]
 
@@ -161,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             from megatron_boost.train.trainer import train
 
             return train(cfg, device, on_stall=_end_stalled_run)
-    except (ValueError, TrainingDiverged, RankTimeout) as err:
+    except (ValueError, TrainingDiverged, RankTimeout, CheckpointSaveFailed) as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise
         _print_error(err)

@@ -12,6 +12,16 @@ import this package there), so the package's ``__init__`` calls :func:`exit_with
 every such child: Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` makes the kernel kill the child
 when its parent dies. The signal follows the parent *thread* that started the child; megatron
 starts these helpers from the training thread, which lives as long as the rank.
+
+An asynchronous save also *forks*: megatron's ``TemporalAsyncCaller`` forks a process per save
+that runs ``FileSystemWriterAsync.write_preloaded_data_multiproc``, which forks one writer per
+bucket (``write_preloaded_data``). A forked child imports nothing, so the import-time guard
+above never runs in it; after a SIGKILL of the rank such a writer was seen alive minutes later,
+orphaned, ignoring SIGTERM. :func:`forked_children_die_with_parent`, called by the trainer at
+start, installs an ``os.register_at_fork`` hook (inherited by every forked child, so it covers
+the writers the forked caller forks in turn) that makes the kernel SIGKILL each child forked
+from a process's main thread when that process dies. A fork from another thread is left alone:
+the signal would follow that thread, which may end long before the process (a thread pool's).
 """
 
 from __future__ import annotations
@@ -20,8 +30,9 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 
-__all__ = ["is_spawned_child", "exit_with_parent"]
+__all__ = ["is_spawned_child", "exit_with_parent", "forked_children_die_with_parent"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -38,10 +49,45 @@ def exit_with_parent() -> bool:
     Returns whether the request was made."""
     if not sys.platform.startswith("linux") or not is_spawned_child():
         return False
-    parent = os.getppid()
+    return _die_with(os.getppid())
+
+
+def _die_with(parent: int) -> bool:
+    """Ask the kernel to SIGKILL this process when its parent (pid ``parent``) dies; exit at
+    once if it already has (the request would never fire)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return False
-    if os.getppid() != parent:  # the parent died before the request: it would never fire
+    if os.getppid() != parent:
         os._exit(1)
+    return True
+
+
+#: Thread id -> (pid, whether it is the main thread) of each thread about to fork; the child
+#: is a copy of the forking thread, with the same id, and reads its own entry.
+_forking = {}
+_hook_installed = False
+
+
+def _before_fork() -> None:
+    _forking[threading.get_ident()] = (os.getpid(),
+                                       threading.current_thread() is threading.main_thread())
+
+
+def _after_fork_in_child() -> None:
+    parent, from_main_thread = _forking.get(threading.get_ident(), (None, False))
+    if from_main_thread:
+        _die_with(parent)
+
+
+def forked_children_die_with_parent() -> bool:
+    """From now on, every child this process (or a child of it) forks from its main thread is
+    SIGKILLed by the kernel when its parent dies (Linux; see the module docstring). Installed
+    once per process; returns whether the hook is installed."""
+    global _hook_installed
+    if not sys.platform.startswith("linux"):
+        return False
+    if not _hook_installed:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _hook_installed = True
     return True

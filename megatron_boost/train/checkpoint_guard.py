@@ -17,9 +17,9 @@ missing, truncated or corrupted shard; with several ranks each checks only its o
 ``torch.load(weights_only=True)``), :func:`check_tensor_shapes` (every tensor the model
 expects exists with the same global shape; the first mismatch is named with both shapes),
 :func:`check_sharded_objects` (every object too, except a module's extra state the checkpoint
-has none of, which :func:`without_unsaved_extra_state` leaves out of the load) and
-:func:`check_architecture` (settings that change no shape: the bottleneck activation, the
-RoPE base, full-rank vs low-rank).
+has none of, which :func:`without_unsaved_extra_state` leaves out of the load); then the run
+config against the checkpoint's (the resume contract, :mod:`megatron_boost.config.
+resume_contract`).
 
 Safe loading: megatron-core 0.16 reads the common state (``common.pt``) and the sharded objects
 (RNG state) with ``torch.load`` without a ``weights_only`` argument, i.e. torch's default,
@@ -45,7 +45,8 @@ __all__ = [
     "TRACKER_FILE", "MANIFEST_FILE", "iter_dir_name",
     "temp_dir_for", "read_tracker", "write_manifest", "verify_manifest", "commit_checkpoint",
     "in_share", "shard_entries",
-    "prune_checkpoints", "read_common_state", "check_tensor_shapes", "check_architecture",
+    "prune_checkpoints", "newest_intact_before", "damaged_checkpoint_hint",
+    "read_common_state", "check_tensor_shapes",
     "EXTRA_STATE_SUFFIX", "check_sharded_objects", "without_unsaved_extra_state",
 ]
 
@@ -57,9 +58,6 @@ _CRC_CHUNK = 1 << 22
 _SHAPE_KEYS = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size",
                "model.num_attention_heads", "model.num_query_groups", "model.kv_channels",
                "model.attn_rank", "model.mlp_rank", "model.rank_ratio")
-# Run-config keys that change the computed function without changing any tensor's shape.
-_SHAPELESS_ARCH_KEYS = ("model.bottleneck_activation", "model.mlp_gate_activation",
-                        "model.rotary_base")
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -221,6 +219,37 @@ def _complete_iterations(save_dir: Path) -> List[int]:
     return sorted(its)
 
 
+def newest_intact_before(ckpt_dir: Path) -> Optional[int]:
+    """The newest complete checkpoint of ``ckpt_dir``'s save directory older than it whose
+    every file passes its manifest (:func:`verify_manifest`); None if there is none."""
+    ckpt_dir = Path(ckpt_dir)
+    suffix = ckpt_dir.name[len("iter_"):]
+    if not (ckpt_dir.name.startswith("iter_") and suffix.isdigit()):
+        return None
+    for iteration in reversed(_complete_iterations(ckpt_dir.parent)):
+        if iteration >= int(suffix):
+            continue
+        try:
+            verify_manifest(ckpt_dir.parent / iter_dir_name(iteration))
+        except (ValueError, OSError):
+            continue
+        return iteration
+    return None
+
+
+def damaged_checkpoint_hint(ckpt_dir: Path, intact: Optional[int]) -> str:
+    """What a user whose checkpoint ``ckpt_dir`` is damaged can resume from: the newest
+    intact one (``intact``, :func:`newest_intact_before`) and how, or that there is none."""
+    save_dir = Path(ckpt_dir).parent
+    if intact is None:
+        return (f"no earlier intact checkpoint in {save_dir}: start a new run directory "
+                f"(checkpoint.init_from can start it from other weights)")
+    older = save_dir / iter_dir_name(intact)
+    return (f"the newest intact checkpoint is iteration {intact}: to resume from it, write "
+            f"{intact} into {save_dir / TRACKER_FILE} (then {Path(ckpt_dir).name} can be "
+            f"removed), or set checkpoint.load={older} for this launch")
+
+
 def prune_checkpoints(save_dir: Path, keep_last: Optional[int]) -> List[Path]:
     """Remove leftover temp directories and all but the newest ``keep_last`` complete
     checkpoints (None keeps all). The one the tracker names is never removed. Rank 0 only."""
@@ -368,17 +397,3 @@ def check_tensor_shapes(ckpt_dir: Path, sharded_sd: dict, saved_cfg: Optional[Di
 def _lookup(cfg: Dict, dotted: str):
     section, key = dotted.split(".")
     return cfg.get(section, {}).get(key)
-
-
-def check_architecture(ckpt_dir: Path, saved_cfg: Dict, current_cfg: Dict) -> None:
-    """Settings that change the model without changing a shape must match the checkpoint."""
-    for dotted in _SHAPELESS_ARCH_KEYS:
-        have, want = _lookup(saved_cfg, dotted), _lookup(current_cfg, dotted)
-        if have != want:
-            raise ValueError(f"checkpoint {ckpt_dir} was trained with {dotted}={have!r}, this "
-                             f"run sets {want!r}; the weights would compute another function")
-    lowrank = [_lookup(c, "parallel.mode") != "full" for c in (saved_cfg, current_cfg)]
-    if lowrank[0] != lowrank[1]:
-        raise ValueError(f"checkpoint {ckpt_dir} is a {'low-rank' if lowrank[0] else 'full'}"
-                         f" model (parallel.mode={_lookup(saved_cfg, 'parallel.mode')!r}); "
-                         f"this run sets parallel.mode={_lookup(current_cfg, 'parallel.mode')!r}")

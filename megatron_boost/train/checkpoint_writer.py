@@ -15,13 +15,19 @@ finalization once all ranks' writes are done: megatron's own (``metadata.json``,
 then our commit on rank 0. So the tracker moves only after a complete checkpoint, and a kill
 during the background write leaves it naming the previous one. At most one save is in
 flight: a new save first waits for the previous (:meth:`wait`).
+
+A write the file system refuses (full, quota, ``ulimit -f``, read-only, permission), in the
+save or in its background part, raises :class:`~megatron_boost.train.save_faults.
+CheckpointSaveFailed`: one line naming the file and saying the last complete checkpoint is
+intact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron_boost.compat import async_calls_queue, save_sharded
 from megatron_boost.train.checkpoint_guard import (
@@ -32,6 +38,7 @@ from megatron_boost.train.checkpoint_guard import (
     temp_dir_for,
 )
 from megatron_boost.train.resilience import FaultInjector
+from megatron_boost.train.save_faults import explain_save_fault, quiet_writer_failure_logs
 
 __all__ = ["CheckpointWriter"]
 
@@ -45,6 +52,8 @@ class CheckpointWriter:
         self.async_save, self.keep_last = async_save, keep_last
         self.fault_injector = fault_injector  # None outside the fault-tolerance tests
         self.queue = None
+        self.in_flight: Optional[Tuple[int, Path]] = None  # (iteration, temp dir) being saved
+        quiet_writer_failure_logs()
         if async_save:
             self.queue = async_calls_queue()
 
@@ -74,31 +83,52 @@ class CheckpointWriter:
                                   entries)
                 prune_checkpoints(self.save_dir, self.keep_last)
             dist.barrier()
+            self.in_flight = None
         return commit
+
+    @contextlib.contextmanager
+    def _refused_writes_as_one_line(self):
+        """A refused write of the save in flight becomes :class:`CheckpointSaveFailed`."""
+        try:
+            yield
+        # torch.distributed.checkpoint's CheckpointException is a BaseException
+        except BaseException as err:  # noqa: BLE001 - anything else is re-raised as it is
+            if self.in_flight is None or isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            fault = explain_save_fault(err, *self.in_flight, self.save_dir)
+            if fault is None:
+                raise
+            raise fault from err
 
     def save(self, sharded_sd: dict, iteration: int) -> None:
         """Save (or start saving in the background) ``sharded_sd`` as iteration
         ``iteration``."""
         self.wait()
-        temp = self._prepare(iteration)
-        commit = self._commit_fn(temp, iteration)
-        if not self.async_save:
-            save_sharded(sharded_sd, str(temp), async_save=False)
-            commit()
-            return
-        request = save_sharded(sharded_sd, str(temp), async_save=True)
-        request.add_finalize_fn(commit)
-        self.queue.schedule_async_request(request)
+        self.in_flight = (iteration, temp_dir_for(self.save_dir / iter_dir_name(iteration)))
+        with self._refused_writes_as_one_line():
+            temp = self._prepare(iteration)
+            commit = self._commit_fn(temp, iteration)
+            if not self.async_save:
+                save_sharded(sharded_sd, str(temp), async_save=False)
+                commit()
+                return
+            request = save_sharded(sharded_sd, str(temp), async_save=True)
+            if self.fault_injector is not None:
+                request = self.fault_injector.slow_background_write(request)
+            request.add_finalize_fn(commit)
+            self.queue.schedule_async_request(request)
 
     def poll(self) -> None:
         """Commit finished background saves (call on every rank, every step)."""
         if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=False)
+            with self._refused_writes_as_one_line():
+                self.queue.maybe_finalize_async_calls(blocking=False)
 
     def wait(self) -> None:
         """Block until every background save is committed."""
         if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=True)
+            with self._refused_writes_as_one_line():
+                self.queue.maybe_finalize_async_calls(blocking=True)
 
     def close(self) -> None:
         if self.queue is not None:

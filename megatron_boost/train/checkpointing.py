@@ -31,14 +31,16 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from megatron_boost.compat import load_sharded
+from megatron_boost.config.resume_contract import check_resume_contract
 from megatron_boost.runtime.cpu_mode import is_cpu_mode
 from megatron_boost.train.checkpoint_guard import (
     EXTRA_STATE_SUFFIX,
     TRACKER_FILE,
-    check_architecture,
     check_sharded_objects,
     check_tensor_shapes,
+    damaged_checkpoint_hint,
     iter_dir_name,
+    newest_intact_before,
     read_common_state,
     read_tracker,
     verify_manifest,
@@ -172,16 +174,6 @@ def check_format_version(saved: dict, ckpt_dir) -> None:
                          f"megatron-boost reads format version {CHECKPOINT_FORMAT_VERSION}")
 
 
-def _read_saved_state(ckpt_dir: Path, load_optim: bool, distributed: bool) -> dict:
-    """The checkpoint's ``boost_state``, checked against this run."""
-    saved = read_common_state(ckpt_dir)
-    check_format_version(saved, ckpt_dir)
-    if load_optim and bool(saved.get("use_distributed_optimizer")) != distributed:
-        raise ValueError(
-            f"checkpoint {ckpt_dir} was saved with parallel.use_distributed_optimizer="
-            f"{saved.get('use_distributed_optimizer')}; resume with the same setting or set "
-            f"checkpoint.no_load_optim=true (weights only, fresh optimizer state)")
-    return saved
 
 
 def verify_manifest_shared(ckpt_dir: Path) -> None:
@@ -204,18 +196,36 @@ def verify_manifest_shared(ckpt_dir: Path) -> None:
         raise ValueError(first)
 
 
+def _agreed_damage_hint(ckpt_dir: Path) -> str:
+    """:func:`damaged_checkpoint_hint`, the older checkpoints verified by rank 0 only and
+    its finding given to every rank (all raise the same line)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    found = [None]
+    if not distributed or dist.get_rank() == 0:
+        found = [newest_intact_before(ckpt_dir)]
+    if distributed and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    return damaged_checkpoint_hint(ckpt_dir, found[0])
+
+
 def verify_checkpoint(ckpt_dir: Path, ddp_chunks, run_cfg, weights_only: bool = False) -> dict:
     """Every check that can fail before a tensor is read: files against the manifest, the
-    common state (format, optimizer kind unless ``weights_only``), each model tensor's global
-    shape, and the settings that change no shape. Returns the checkpoint's ``boost_state``."""
-    verify_manifest_shared(ckpt_dir)
-    load_optim = not (run_cfg.checkpoint.no_load_optim or weights_only)
-    saved = _read_saved_state(ckpt_dir, load_optim, run_cfg.parallel.use_distributed_optimizer)
+    common state (its format), each model tensor's global shape, every object, then the
+    run config against the checkpoint's: the resume contract (config/resume_contract.py; for
+    ``weights_only``, checkpoint.init_from, only the keys the weights' function depends on).
+    Returns the checkpoint's ``boost_state``."""
+    try:
+        verify_manifest_shared(ckpt_dir)
+        saved = read_common_state(ckpt_dir)
+    except ValueError as err:  # damaged: say what the user can resume from instead
+        raise ValueError(f"{err}; {_agreed_damage_hint(ckpt_dir)}") from None
+    check_format_version(saved, ckpt_dir)
     model_sd = _model_sharded_state_dict(ddp_chunks)
-    check_tensor_shapes(ckpt_dir, model_sd, saved.get("run_config", {}),
-                        dataclasses.asdict(run_cfg))
+    saved_cfg, current_cfg = saved.get("run_config", {}), dataclasses.asdict(run_cfg)
+    check_tensor_shapes(ckpt_dir, model_sd, saved_cfg, current_cfg)
     check_sharded_objects(ckpt_dir, model_sd)
-    check_architecture(ckpt_dir, saved.get("run_config", {}), dataclasses.asdict(run_cfg))
+    check_resume_contract(ckpt_dir, saved_cfg, current_cfg, weights_only=weights_only,
+                          load_optim=not run_cfg.checkpoint.no_load_optim)
     return saved
 
 

@@ -24,13 +24,16 @@
   loss NaN at those iterations; ``MEGATRON_BOOST_TEST_HANG_AT=<iteration>:<rank>`` makes that
   rank stop responding before that iteration (stuck in communication: see
   :meth:`FaultInjector.maybe_hang`); ``MEGATRON_BOOST_TEST_SAVE_SLEEP=<seconds>`` sleeps after
-  the shards are written and before the checkpoint is committed (a window to kill a rank in).
+  the shards are written and before the checkpoint is committed (a window to kill a rank in);
+  ``MEGATRON_BOOST_TEST_WRITE_SLEEP=<seconds>`` makes an asynchronous save's background process
+  (forked by megatron) sleep before it writes (a window to kill a rank while it runs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import re
 import threading
@@ -45,6 +48,7 @@ __all__ = ["FaultInjector", "StepAgreement", "agree_on_step", "SkipBudget", "Tra
 ENV_NAN_AT = "MEGATRON_BOOST_TEST_NAN_AT"
 ENV_HANG_AT = "MEGATRON_BOOST_TEST_HANG_AT"
 ENV_SAVE_SLEEP = "MEGATRON_BOOST_TEST_SAVE_SLEEP"
+ENV_WRITE_SLEEP = "MEGATRON_BOOST_TEST_WRITE_SLEEP"
 _SPEC = re.compile(r"^(\d+)(?:-(\d+))?:(\d+)$")
 
 
@@ -109,12 +113,14 @@ class FaultInjector:
     nan_at: Optional[Tuple[int, int, int]] = None
     hang_at: Optional[Tuple[int, int, int]] = None
     save_sleep_s: float = 0.0
+    write_sleep_s: float = 0.0
 
     @classmethod
     def from_env(cls) -> Optional["FaultInjector"]:
         """The injector the environment asks for; None where none of its variables is set."""
         injector = cls(_parse_spec(ENV_NAN_AT), _parse_spec(ENV_HANG_AT),
-                       float(os.environ.get(ENV_SAVE_SLEEP, "0") or 0))
+                       float(os.environ.get(ENV_SAVE_SLEEP, "0") or 0),
+                       float(os.environ.get(ENV_WRITE_SLEEP, "0") or 0))
         return None if injector == cls() else injector
 
     @staticmethod
@@ -162,6 +168,19 @@ class FaultInjector:
     def before_commit(self) -> None:
         if self.save_sleep_s > 0:
             time.sleep(self.save_sleep_s)
+
+    def slow_background_write(self, request):
+        """megatron's ``AsyncRequest`` whose background function first sleeps
+        ``write_sleep_s`` (in the process megatron forks for it); ``request`` without it."""
+        if self.write_sleep_s <= 0 or request.async_fn is None:
+            return request
+        return request._replace(async_fn=functools.partial(_sleep_then, self.write_sleep_s,
+                                                           request.async_fn))
+
+
+def _sleep_then(seconds: float, fn, *args, **kwargs):
+    time.sleep(seconds)
+    return fn(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

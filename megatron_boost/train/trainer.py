@@ -54,6 +54,7 @@ from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.data.validation import validate_data_files
 from megatron_boost.runtime.backends import format_fusions
+from megatron_boost.runtime.lifetime import forked_children_die_with_parent
 from megatron_boost.train import step
 from megatron_boost.train.build import build_run
 from megatron_boost.train.checkpoint_guard import TRACKER_FILE, iter_dir_name
@@ -75,6 +76,7 @@ from megatron_boost.train.metrics import (
     peak_memory_bytes,
     validation_perplexity,
 )
+from megatron_boost.train.run_lock import RunLock
 from megatron_boost.train.resilience import (
     FaultInjector,
     RankMonitor,
@@ -107,16 +109,19 @@ def train(cfg, device: str, on_stall=None) -> int:
     cleared and its signal handlers restored, so a process of one rank (a notebook, a script)
     can train again. A second run in the same torchrun-launched processes needs a rendezvous
     of its own (a new ``MASTER_PORT``): torch's store still holds the first run's keys."""
+    forked_children_die_with_parent()  # megatron's forked checkpoint writers, DataLoader workers
     init_distributed(device, collective_timeout(cfg.parallel.timeout_minutes, device))
     previous_handlers = install_signal_handlers()
+    lock = RunLock()  # taken by rank 0 once the inputs are checked, released however it ends
     try:
-        trainer = Trainer(cfg, device, on_stall)  # every input is checked here: ValueError = bad input
+        trainer = Trainer(cfg, device, on_stall, lock)  # checks every input: ValueError = bad input
         try:
             return trainer.train()
         except ValueError as err:  # the inputs were checked: a fault, not a usage error
             raise TrainingError(f"training failed at iteration {trainer.state.iteration + 1}: "
                                 f"{err}") from err
     finally:
+        lock.release()
         destroy_num_microbatches_calculator()
         restore_signal_handlers(previous_handlers)
 
@@ -131,8 +136,9 @@ class Trainer:
     checkpoint and data files, then the run directory, resume, data), then :meth:`train`.
     Nothing is written before every input has been checked."""
 
-    def __init__(self, cfg, device: str, on_stall=None):
+    def __init__(self, cfg, device: str, on_stall=None, lock: Optional[RunLock] = None):
         self.cfg, self.device = cfg, device
+        self.lock = lock or RunLock()  # the caller releases it (train() does)
         self.t_start = time.perf_counter()
         self.train_iters = train_iterations(cfg)
         self.dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
@@ -185,10 +191,22 @@ class Trainer:
         self.num_microbatches = get_num_microbatches()
 
     def _prepare_run_dir(self) -> None:
+        """Rank 0 creates the run and save directories and takes their lock (train/run_lock.py:
+        a second launch into them is refused here, on every rank, before it writes or deletes
+        anything), then writes config.yaml."""
+        refusal = None
         if dist.get_rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             Path(self.save_dir).mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(resolved_config_yaml(self.run))
+            try:
+                self.lock.acquire([self.run_dir, self.save_dir], say=print0)
+                (self.run_dir / "config.yaml").write_text(resolved_config_yaml(self.run))
+            except ValueError as err:
+                refusal = str(err)
+        agreed = [refusal]
+        dist.broadcast_object_list(agreed, src=0)
+        if agreed[0]:
+            raise ValueError(agreed[0])
 
     def _resolved_config(self) -> dict:
         """The resolved run (``config.yaml``'s content) and this launch's layout, for
