@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -346,6 +347,11 @@ def test_cli_recommend_prints_layouts(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert "[boost]" in stdout and "[naive]" in stdout and "[full]" not in stdout
     assert stdout.count("tp=") >= 2
+    # the figures say they are predicted, and what mb= and m= are
+    assert stdout.startswith("Fastest layouts that fit, predicted (not measured): ")
+    assert "mb = micro-batch size, m = micro-batches per step" in stdout.splitlines()[0]
+    rows = [line for line in stdout.splitlines() if line.startswith("  tp=")]
+    assert rows and all(" predicted: iter=" in row for row in rows), rows
     data = json.loads(out.read_text())
     assert set(data["recommend"]) == {"naive", "boost"}
 
@@ -364,6 +370,13 @@ def test_cli_with_config(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "[boost]" in text and "tp=4 pp=1 dp=2" in text
+    for line in text.splitlines():  # every figure says it is predicted, and what m= is
+        if line.startswith("["):
+            assert "] predicted (not measured) for " in line and re.search(
+                r" mb=\d+ m=\d+ .*\(mb = micro-batch size, m = micro-batches per step\)$",
+                line), line
+        elif not line.startswith(("  comm (counted):", "wrote ", "note: ")):
+            assert line.startswith("  predicted "), line
     preds = json.loads(out.read_text())["predictions"]
     assert [p["mode"] for p in preds] == ["full", "naive", "boost"]
     assert preds[0]["layout"]["recompute"] == "full"  # full-rank: no bottleneck to checkpoint

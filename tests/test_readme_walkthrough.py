@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_blocks import all_blocks, with_stand_ins
 from tests.test_data import make_play
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +32,33 @@ _BLOCK = re.compile(r"<!-- tested -->\s*\n```bash\n(.*?)\n```", re.S)
 
 def doc_commands() -> list[str]:
     return _BLOCK.findall(DOC.read_text())
+
+
+def stand_in_commands() -> list[str]:
+    """The blocks of README.md and docs/*.md marked ``<!-- tested with stand-ins -->``, in page
+    order, the paths a user supplies mapped to stand-ins (tests/doc_blocks.py)."""
+    return [with_stand_ins(b.body) for b in all_blocks() if b.kind == "stand-ins"]
+
+
+#: A stand-in sbatch: checks that the job script it is given exists (as sbatch does), records
+#: each call's arguments (one per line, then ----) and prints sbatch's answer.
+FAKE_SBATCH = """#!/bin/sh
+for a in "$@"; do
+    case "$a" in -*) ;; *) [ -f "$a" ] || { echo "sbatch: error: Unable to open file $a" >&2; exit 1; }; break ;; esac
+done
+printf '%s\\n' "$@" ---- >> "$SBATCH_RECORD"
+echo "Submitted batch job 42"
+"""
+
+# After the walk-through: its tokenizer and data stand in for the /shared files of the Slurm
+# examples, and sbatch for the real one.
+STAND_IN_SETUP = """
+mkdir -p "$SHARED/data"
+ln -s "$WORK/tokenizer.model" "$SHARED/data/tokenizer.model"
+ln -s "$WORK/data/corpus.bin" "$SHARED/data/corpus.bin"
+ln -s "$WORK/data/corpus.idx" "$SHARED/data/corpus.idx"
+export PATH="$STAND_IN_BIN:$PATH"
+"""
 
 
 def test_the_page_has_its_steps():
@@ -134,13 +162,23 @@ def test_the_own_corpus_walk_through_runs_as_written(tmp_path):
     for i in range(40):
         (corpus / f"doc_{i:02d}.txt").write_text(make_play(rng, i, 30), encoding="utf-8")
     bin_dir = str(Path(sys.executable).parent)  # torchrun, lm_eval of this environment
+    stand_in_bin = tmp_path / "stand-in-bin"
+    stand_in_bin.mkdir()
+    (stand_in_bin / "sbatch").write_text(FAKE_SBATCH)
+    (stand_in_bin / "sbatch").chmod(0o755)
+    record = tmp_path / "sbatch-calls"
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "NPROC_PER_NODE", "MBOOST_DEVICE", "SRUN_ARGS", "TORCHRUN",
+                        "CKPT_WRITE_MIB_S", "PYTHON_ENV")}
     env.update(CORPUS=str(corpus), WORK=str(tmp_path / "work"), VOCAB="400", ITERS="6",
-               PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    script = "set -euo pipefail\n" + "\n".join(doc_commands())
+               PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+               SHARED=str(tmp_path / "shared"), STAND_IN_BIN=str(stand_in_bin),
+               SBATCH_RECORD=str(record))
+    script = "\n".join(["set -euo pipefail", *doc_commands(), STAND_IN_SETUP,
+                         *stand_in_commands()])
     proc = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=1800)
+                          text=True, timeout=2400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     work = tmp_path / "work"
@@ -154,3 +192,16 @@ def test_the_own_corpus_walk_through_runs_as_written(tmp_path):
     assert re.search(r"\|my_choice\s*\|", out), out[-3000:]  # lm-eval's result table
     assert "initialised from the weights of" in out and "checkpoint.init_from" in out
     assert (work / "imported-run" / "checkpoints").is_dir()
+    # the Slurm examples (the README's and docs/paper-table.md's), with the stand-ins
+    assert "check passed: 16 processes = tp 4 x pp 1 x dp 4 (mode boost) | " in out, out[-3000:]
+    assert "submit.sh: dry run, nothing submitted" in out and "--nnodes 2 --nproc-per-node 8" \
+        in out, out[-3000:]
+    calls = [c.strip().splitlines() for c in record.read_text().split("----")[:-1]]
+    submitted = [c for c in calls if "scripts/slurm/pretrain.sbatch" in c]
+    assert len(submitted) == 3, calls  # the dry run submitted nothing
+    for call in submitted:
+        assert call[0].startswith("--signal=B:USR1@") and call[-4:] == [
+            "configs/cola-7b.yaml", f"data.data_path=[{tmp_path}/shared/data/corpus]",
+            f"data.tokenizer_model={tmp_path}/shared/data/tokenizer.model",
+            f"logging.run_dir={tmp_path}/shared/runs/cola-7b"], call
+    assert any("scripts/slurm/paper_table.sh" in c for c in calls), calls

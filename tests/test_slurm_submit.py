@@ -40,6 +40,16 @@ def submit(env, *args, **extra_env):
                           capture_output=True, text=True, timeout=300)
 
 
+def signal_option(config, *overrides):
+    """The --signal submit.sh adds: the lead time tools/checkpoint_cost.py --estimate proposes
+    for the job's configuration."""
+    from megatron_boost.cli.checkpoint_cost import save_estimate
+    from megatron_boost.config.run import load_run_config
+
+    lead = save_estimate(load_run_config(str(REPO / config), list(overrides)))["lead_s"]
+    return f"--signal=B:USR1@{lead}"
+
+
 def _one_error_line(proc, *words):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
@@ -101,7 +111,7 @@ def test_a_valid_job_is_submitted_unchanged(fake_sbatch, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "world size 2" in proc.stdout and "Submitted batch job 42" in proc.stdout
     assert record.read_text().splitlines() == [
-        *args[:5], "scripts/slurm/pretrain.sbatch", *args[5:]]
+        signal_option(*args[5:]), *args[:5], "scripts/slurm/pretrain.sbatch", *args[5:]]
     assert (REPO / "logs").is_dir()  # pretrain.sbatch's --output directory
 
 
@@ -126,7 +136,7 @@ def test_container_and_network_settings_are_submitted(fake_sbatch, tmp_path):
                   MBOOST_DEVICE="cpu", NPROC_PER_NODE="2", GLOO_SOCKET_IFNAME="eth0,eth1",
                   NCCL_SOCKET_IFNAME="^docker", SRUN_ARGS="--container-image=img.sqsh")
     assert proc.returncode == 0, proc.stderr
-    assert record.read_text().splitlines()[:2] == ["-c", "4"]
+    assert record.read_text().splitlines()[:3] == [signal_option("configs/debug.yaml"), "-c", "4"]
 
 
 SBATCH = REPO / "scripts" / "slurm" / "pretrain.sbatch"

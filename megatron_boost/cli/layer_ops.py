@@ -84,6 +84,28 @@ def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_lengt
     return specs
 
 
+#: The table's columns (analysis/ledger.py's ledger_table) in words, printed under it so the
+#: table reads without --help.
+COLUMNS = {
+    "kernels fwd+bwd (CPU eager)": "kernels a GPU launches forward and backward (the CPU's "
+                                   "eager count in brackets)",
+    "GEMMs": "matrix multiplies among them",
+    "GEMM TFLOP": "their work",
+    "elementwise+copy GB (fwd / bwd)": "bytes the other kernels read and write",
+    "outside attention GB": "the same without the attention core and RoPE, which every mode "
+                            "shares",
+    "layout copies outside attention": "transposes/contiguous copies there",
+    "collectives (exposed: count, MiB)": "TP collectives (exposed: not hidden behind a GEMM)",
+    "saved GiB": "activations kept for backward",
+    "fp32 [T, >1] saved GiB": "of those, fp32 tensors wider than one value per token",
+}
+
+
+def _legend() -> str:
+    return ("columns (counted from the layer's op graph, not timed; GB = 1e9 bytes, GiB = "
+            "2**30): " + "; ".join(f"{name}: {what}" for name, what in COLUMNS.items()))
+
+
 def _header(spec, path: str) -> str:
     s, t = spec.shape, spec.tp
     return (f"op ledger of one decoder layer on TP rank 0 of {t}: {path}, micro-batch "
@@ -139,6 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ledgers = [layer_ledger(spec) for spec in specs]
     print(_header(specs[0], args.config))
     print(ledger_table(ledgers))
+    print(_legend())
     for ledger in ledgers:
         print("\n".join(_details(ledger)))
         if args.kernels:

@@ -13,7 +13,7 @@ import enum
 from typing import Iterable, List, Optional, Tuple
 
 __all__ = ["TPMode", "default_rank", "tp_sharded_sizes", "check_divisible_by_tp",
-           "check_tp_split", "resolve_sequence_parallel"]
+           "check_tp_split", "check_pipeline_seq_length", "resolve_sequence_parallel"]
 
 
 class TPMode(str, enum.Enum):
@@ -127,6 +127,18 @@ def check_tp_split(mode, tp: int, **sizes) -> None:
     if heads % groups:
         raise ValueError(
             f"num_attention_heads ({heads}) must be divisible by num_query_groups ({groups})")
+
+
+def check_pipeline_seq_length(mode, tp: int, pp: int, seq_length: int) -> None:
+    """boost with pipeline parallelism: stages exchange the hidden shard [s, b, d/t] as an
+    [s/t, b, d] p2p buffer (megatron's schedules size it from seq_length), so s must divide by
+    t. Checked by the run validation and when the model is driven (``model/gpt.py``)."""
+    if TPMode.parse(mode) is TPMode.BOOST and pp > 1 and seq_length % tp:
+        raise ValueError(
+            f"seq_length ({seq_length}) must be divisible by tensor_model_parallel_size ({tp}) "
+            f"for boost with pipeline parallelism (pipeline size {pp}): stages exchange the "
+            f"[s, b, d/t] shard as an [s/t, b, d] buffer; choose a multiple of {tp} or another "
+            f"layout")
 
 
 # Why each low-rank mode refuses megatron's sequence parallelism (docs/design.md §2).

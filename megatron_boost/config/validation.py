@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 from megatron_boost.config.inert_settings import (check_finite_numbers, check_muon_keys_need_muon,
                                                    check_overlap_chunks_fit)
 from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_lowrank_recompute,
-                                          check_tp_split, resolve_sequence_parallel)
+                                          check_pipeline_seq_length, check_tp_split,
+                                          resolve_sequence_parallel)
 from megatron_boost.runtime.backends import check_attention_backend
 
 __all__ = ["ParallelDims", "validate_run_config", "validate_reading_launch", "train_iterations", "lr_decay_iterations",
@@ -133,10 +134,12 @@ def validate_run_config(cfg, world_size: Optional[int] = None) -> None:
     check_overlap_chunks_fit(cfg)
     if world_size is None:
         _check_tp_split(cfg)
+        _check_pipeline_sequence(cfg)
         return
     cfg.data.validate()
     _check_launch(cfg, ParallelDims(cfg.parallel.tp, cfg.parallel.pp, world_size))
     _check_tp_split(cfg)  # after the launch's layout: a tp the world cannot hold comes first
+    _check_pipeline_sequence(cfg)
     _check_budget(cfg)
     _check_intervals(cfg)
     _check_paths(cfg)
@@ -268,6 +271,16 @@ def _check_tp_split(cfg) -> None:
     check_tp_split(mode, par.tp, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
                    num_attention_heads=m.num_attention_heads,
                    num_query_groups=m.num_query_groups, attn_rank=attn_rank, mlp_rank=mlp_rank)
+
+
+def _check_pipeline_sequence(cfg) -> None:
+    """The sequence rule the boost model applies when it is driven through pipeline stages,
+    checked here so that --check (and submit.sh) refuses it before a job is queued."""
+    m, par = cfg.model, cfg.parallel
+    try:
+        check_pipeline_seq_length(par.mode, par.tp, par.pp, m.seq_length)
+    except ValueError as e:
+        raise ValueError(f"model.{e}") from None  # the key as the config names it
 
 
 def _check_bottlenecks(cfg) -> None:

@@ -49,7 +49,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from megatron_boost.config.modes import TPMode
+from megatron_boost.config.modes import TPMode, check_pipeline_seq_length
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.specs import (
     default_pg_collection,
@@ -72,11 +72,8 @@ def schedule_seq_length(config: BoostTransformerConfig, seq_length: int) -> int:
     """The seq_length to hand megatron-core's schedules (p2p buffer shape, see module doc)."""
     if config.tp_mode is TPMode.BOOST and config.pipeline_model_parallel_size > 1:
         tp = config.tensor_model_parallel_size
-        if seq_length % tp:
-            raise ValueError(
-                f"seq_length ({seq_length}) must be divisible by tensor_model_parallel_size "
-                f"({tp}) for boost with pipeline parallelism: stages exchange the [s, b, d/t] "
-                f"shard as an [s/t, b, d] buffer")
+        check_pipeline_seq_length(config.tp_mode, tp, config.pipeline_model_parallel_size,
+                                  seq_length)
         return seq_length // tp
     return seq_length
 

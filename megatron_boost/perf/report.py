@@ -1,4 +1,6 @@
-"""Text formatting of the cluster performance model's results."""
+"""Text formatting of the cluster performance model's results. Every figure is the analytical
+model's prediction, not a measurement, and each block says so; ``mb`` is the micro-batch size
+and ``m`` the number of micro-batches per optimizer step (global batch / (mb · dp))."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ from megatron_boost.perf.hardware import HardwareSpec
 from megatron_boost.perf.model import Prediction
 from megatron_boost.perf.published import FIT_MODES
 
-__all__ = ["format_published", "format_recommend", "format_prediction"]
+__all__ = ["format_published", "format_recommend", "format_prediction", "LAYOUT_LEGEND"]
+
+#: What the layout's abbreviations mean, printed with them.
+LAYOUT_LEGEND = "mb = micro-batch size, m = micro-batches per step"
 
 
 def format_published(rows: List[Dict]) -> str:
@@ -52,8 +57,9 @@ def format_published(rows: List[Dict]) -> str:
 def format_recommend(res: Dict[str, List[Prediction]], shape: ModelShape, gpus: int,
                      hw: HardwareSpec) -> str:
     gb = next((p.layout["global_batch"] for ps in res.values() for p in ps), None)
-    lines = [f"Fastest layouts that fit: {shape.name} on {gpus} x {hw.name} "
-             f"({hw.memory_gb:.0f} GB, seq {shape.seq_length}, global batch {gb})"]
+    lines = [f"Fastest layouts that fit, predicted (not measured): {shape.name} on {gpus} x "
+             f"{hw.name} ({hw.memory_gb:.0f} GB, seq {shape.seq_length}, global batch {gb}); "
+             f"{LAYOUT_LEGEND}"]
     for mode, preds in res.items():
         lines.append(f"[{mode}]")
         if not preds:
@@ -62,8 +68,8 @@ def format_recommend(res: Dict[str, List[Prediction]], shape: ModelShape, gpus: 
             L = pr.layout
             lines.append(
                 f"  tp={L['tp']} pp={L['pp']} dp={L['dp']} mb={L['micro_batch']} "
-                f"m={L['num_micro_batches']} recompute={L['recompute']:<9} "
-                f"iter={pr.iteration_s:7.3f}s  tok/s/GPU={pr.tokens_per_s_per_gpu:9.0f}  "
+                f"m={L['num_micro_batches']:<3} recompute={L['recompute']:<9} "
+                f"predicted: iter={pr.iteration_s:7.3f}s  tok/s/GPU={pr.tokens_per_s_per_gpu:9.0f}  "
                 f"mem={pr.memory_gb['total']:6.1f} GB  MFU={pr.mfu:.2f}")
     return "\n".join(lines)
 
@@ -72,15 +78,18 @@ def format_prediction(pr: Prediction) -> str:
     L = pr.layout
     c = pr.comm
     lines = [
-        f"[{pr.mode}] {pr.model} on {L['tp'] * L['pp'] * L['dp']} x {pr.gpu}: "
-        f"tp={L['tp']} pp={L['pp']} dp={L['dp']} mb={L['micro_batch']} "
-        f"m={L['num_micro_batches']} recompute={L['recompute']}",
-        f"  iteration {pr.iteration_s:.3f} s   tokens/s/GPU {pr.tokens_per_s_per_gpu:.0f}   "
-        f"MFU {pr.mfu:.2f}",
-        "  time:   " + ", ".join(f"{k} {v:.3f}" for k, v in pr.breakdown_s.items() if v),
-        "  memory: " + ", ".join(f"{k} {v:.2f}" for k, v in pr.memory_gb.items())
-        + f" GB  ({'fits' if pr.fits else 'DOES NOT FIT'})",
-        f"  comm:   TP per layer per token fwd {c['tp_elements_per_token_per_layer_fwd']:.0f} / "
+        f"[{pr.mode}] predicted (not measured) for {pr.model} on "
+        f"{L['tp'] * L['pp'] * L['dp']} x {pr.gpu}: tp={L['tp']} pp={L['pp']} dp={L['dp']} "
+        f"mb={L['micro_batch']} m={L['num_micro_batches']} recompute={L['recompute']} "
+        f"({LAYOUT_LEGEND})",
+        f"  predicted iteration {pr.iteration_s:.3f} s   tokens/s/GPU "
+        f"{pr.tokens_per_s_per_gpu:.0f}   MFU {pr.mfu:.2f}",
+        "  predicted time (s): " + ", ".join(f"{k} {v:.3f}" for k, v in pr.breakdown_s.items()
+                                           if v),
+        "  predicted memory (GB per GPU): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in pr.memory_gb.items())
+        + f"  ({'fits' if pr.fits else 'DOES NOT FIT'})",
+        f"  comm (counted):   TP per layer per token fwd {c['tp_elements_per_token_per_layer_fwd']:.0f} / "
         f"bwd {c['tp_elements_per_token_per_layer_bwd']:.0f} elements "
         f"({c['tp_bytes_per_layer_fwd'] / 2**30:.3f} / {c['tp_bytes_per_layer_bwd'] / 2**30:.3f}"
         f" GiB per layer, {c['tp_collectives_per_layer']} collectives, {c['tp_link']}); "
