@@ -142,9 +142,13 @@ def test_the_tool_prints_and_writes_each_layer(tmp_path):
          "configs/debug.yaml", "--tp", "2", "--modes", "full,full+sp,naive,boost",
          "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert [r.split(" | ")[0] for r in rows[1:]] == ["| full", "| full+sp", "| naive",
-                                                     "| boost"]
+    tables = proc.stdout.split("\n\n")
+    rows = [line for line in tables[0].splitlines() if line.startswith("| ")]
+    labels = ["| full", "| full+sp", "| naive", "| boost"]
+    assert [r.split(" | ")[0] for r in rows[1:]] == labels
+    timed = [line for line in tables[1].splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in timed[1:]] == labels  # the time table, h100-sxm
+    assert "(h100-sxm)" in timed[0]
     data = json.loads(out.read_text())
     assert [d["spec"]["mode"] for d in data] == ["full", "full", "naive", "boost"]
     assert all(d["summary"]["total"]["kernels"] == len(d["kernels"]) for d in data)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator
 
-__all__ = ["CUDA_KERNEL_MODELS", "cuda_kernel_models"]
+__all__ = ["CUDA_KERNEL_MODELS", "ATTENTION_FLOP_SHARE", "cuda_kernel_models"]
 
 #: The stand-ins for CUDA kernels the CPU cannot run (module docstring).
 CUDA_KERNEL_MODELS = {
@@ -22,6 +22,11 @@ CUDA_KERNEL_MODELS = {
                  "place of the CPU's SDPA: its output and gradients in the layouts of q, k, v, "
                  "and the fp32 log-sum-exp kept for backward",
 }
+
+#: The attention stand-ins' kernels that do the core's matmuls, and their FLOPs as a multiple of
+#: the causal forward's (QK^T and PV): backward recomputes QK^T and computes dV, dP, dQ and dK,
+#: five matmuls against two (FlashAttention-2, Dao 2023, section 3.1.2).
+ATTENTION_FLOP_SHARE = {"attention": 1.0, "attention_backward": 2.5}
 
 
 def _modeled_kernel(name: str, fn: Callable, linear: bool = False):

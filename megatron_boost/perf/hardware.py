@@ -185,6 +185,18 @@ HARDWARE: Dict[str, HardwareSpec] = {
         hbm_gb_s=4800.0,       # H200 SXM datasheet: 4.8 TB/s HBM3e
         memory_gb=141.0,       # datasheet: 141 GB
     ),
+    # NVIDIA DGX B200 / HGX B200 datasheet, per GPU: 2.25 PFLOP/s dense BF16 (4.5 with
+    # sparsity), 8 TB/s HBM3e, 180 GB (1,440 GB per 8 GPUs), NVLink 5 at 1.8 TB/s
+    # bidirectional (900 GB/s per direction), one ConnectX-7 400 Gb/s NIC per GPU. The
+    # efficiencies are the H100's (assumption: nothing measured on Blackwell here).
+    "b200": HardwareSpec(
+        name="b200", **{**_H100_COMMON, **dict(
+            peak_bf16_tflops=2250.0,   # datasheet, dense
+            nvlink_gb_s=900.0,         # NVLink 5, per direction
+        )},
+        hbm_gb_s=8000.0,       # datasheet: 8 TB/s HBM3e
+        memory_gb=180.0,       # datasheet
+    ),
 }
 
 # Mixed-precision bookkeeping (facts of the Megatron/nanotron recipes, not hardware):
