@@ -20,6 +20,9 @@ CUDA_KERNEL_MODELS = {
                 "reduces them",
     "swiglu": "megatron's fused SwiGLU (bias_activation_fusion, jit_fuser): one kernel forward "
               "and one backward",
+    "wgrad_accumulation": "apex's fused_weight_gradient_mlp_cuda (megatron's linears with "
+                          "gradient_accumulation_fusion): the weight-gradient GEMM adding into "
+                          "the fp32 main_grad in place",
     "attention": "a flash attention kernel (FlashAttention-2/3, cuDNN, Transformer Engine) in "
                  "place of the CPU's SDPA: one kernel forward keeping the fp32 log-sum-exp; "
                  "backward three: rowsum(dO*O) with the fp32 dQ accumulator zeroed, the main "
@@ -199,6 +202,28 @@ def _modeled_attention(sdpa: Callable):
     return call
 
 
+def _wgrad_accumulation():
+    """(owner, name, stand-in) for apex's wgrad kernel in megatron's linear layers: the GEMM
+    ``main_grad += grad_outputᵀ · input`` (one ``addmm_``), and the dummy gradient megatron
+    then hands autograd (TE's ``get_dummy_wgrad``: an allocation, no kernel)."""
+    import types
+
+    import torch
+    from megatron.core.tensor_parallel import layers
+
+    def accumulate(total_input, grad_output, main_grad):
+        main_grad.addmm_(grad_output.flatten(0, -2).t(), total_input.flatten(0, -2))
+
+    def dummy_wgrad(shape, dtype, zero=False):
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype)
+
+    apex = types.SimpleNamespace(wgrad_gemm_accum_fp32=accumulate,
+                                 wgrad_gemm_accum_fp16=accumulate)
+    return [(layers, "fused_weight_gradient_mlp_cuda", apex),
+            (layers, "_grad_accum_fusion_available", True),
+            (layers, "HAVE_TE", True), (layers, "get_dummy_wgrad", dummy_wgrad)]
+
+
 @contextlib.contextmanager
 def cuda_kernel_models() -> Iterator[None]:
     """While the ledger records: megatron's unfused RoPE, torch's RMSNorm and megatron's
@@ -235,11 +260,16 @@ def cuda_kernel_models() -> Iterator[None]:
         (fused_bias_swiglu, "swiglu_back",
          lambda g, y: observed_call("swiglu_backward", swiglu_back, g, y)),
     ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replaced]
+    replaced += _wgrad_accumulation()
+    absent = object()  # apex's and TE's names are missing where they do not import
+    saved = [(owner, name, getattr(owner, name, absent)) for owner, name, _ in replaced]
     try:
         for owner, name, fn in replaced:
             setattr(owner, name, fn)
         yield
     finally:
         for owner, name, fn in saved:
-            setattr(owner, name, fn)
+            if fn is absent:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)

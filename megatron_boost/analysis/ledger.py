@@ -37,6 +37,13 @@ a flash attention kernel. Each is one entry forward and one backward, reading it
 writing its results; the eager kernels it replaces are counted too (``eager_kernels``), so the
 CPU's own count is also reported.
 
+**DDP's gradient accumulation.** Each parameter gets the fp32 ``main_grad`` megatron's DDP
+gives it and DDP's hook (``analysis/grad_accumulation.py``): its ``main_grad.add_`` is one
+backward entry (scope ``ddp.main_grad``) unless the layer accumulated into ``main_grad`` in its
+own GEMM and set ``grad_added_to_main_grad`` (megatron's linears with
+``gradient_accumulation_fusion``, apex's wgrad GEMM stood in for), so the count follows the
+layer's code.
+
 **Saved activations.** The bytes of the storages autograd keeps for backward
 (``analysis/memory.py``, parameters excluded), with the module that saved each, and the fp32
 ones wider than one value per token listed apart.
@@ -61,7 +68,7 @@ from megatron_boost.analysis.shape import ModelShape, check_mode
 __all__ = ["KINDS", "TRAFFIC_KINDS", "Kernel", "CollectiveEntry", "LayerLedger", "LedgerSpec",
            "CUDA_KERNEL_MODELS", "in_attention", "layer_ledger", "measure_ledgers",
            "ledger_in_process",
-           "ledger_table", "ledger_json", "spec_label"]
+           "ledger_table", "ledger_json", "ledger_from_dict", "spec_label"]
 
 #: The kernel classes, in report order.
 KINDS = ("gemm", "attention", "elementwise", "fused", "cast", "copy", "collective")
@@ -144,6 +151,13 @@ class LayerLedger:
         megatron's RoPE."""
         return self.select(kind="copy", outside_attention=outside_attention)
 
+    def ddp_accumulation(self) -> List[Kernel]:
+        """The kernels of DDP's hook adding gradients into ``main_grad``
+        (``analysis/grad_accumulation.py``)."""
+        from megatron_boost.analysis.grad_accumulation import DDP_SCOPE
+
+        return [k for k in self.kernels if k.scope == DDP_SCOPE]
+
     def gemm_flops(self, phase=None) -> float:
         return sum(k.flops for k in self.select(phase, "gemm"))
 
@@ -166,6 +180,8 @@ class LayerLedger:
         out["traffic_bytes_outside_attention"] = self.traffic(outside_attention=True)
         out["kernels_outside_attention"] = self.count(outside_attention=True)
         out["layout_copies_outside_attention"] = len(self.layout_copies())
+        out["ddp_accumulation_kernels"] = len(self.ddp_accumulation())
+        out["ddp_accumulation_bytes"] = sum(k.bytes for k in self.ddp_accumulation())
         out["collectives_exposed"] = sum(c.exposed for c in self.collectives)
         out["collectives_exposed_bytes"] = sum(c.bytes for c in self.collectives if c.exposed)
         out["saved_bytes"] = self.saved_bytes
@@ -235,11 +251,14 @@ def _run_config(spec: LedgerSpec):
 
 def _cuda_fusions(spec: LedgerSpec):
     """The fusion settings a CUDA run with Transformer Engine resolves for ``spec`` (the ledger
-    counts the CUDA op graph); RoPE's and the norms' fused kernels are the stand-ins."""
+    counts the CUDA op graph); RoPE's and the norms' fused kernels and apex's wgrad GEMM are the
+    stand-ins."""
     from megatron_boost.runtime.backends import FusedKernels, resolve_fusions
 
-    fusions = resolve_fusions("cuda", "te", FusedKernels(te=True), mode=spec.mode,
-                              bias_activation_fusion=spec.bias_activation_fusion)
+    # apex's wgrad kernel too (megatron's linears accumulate into main_grad in their GEMM;
+    # the kernel's stand-in: analysis/kernel_models.py)
+    fusions = resolve_fusions("cuda", "te", FusedKernels(te=True, wgrad_accumulation=True),
+                              mode=spec.mode, bias_activation_fusion=spec.bias_activation_fusion)
     # the stand-in replaces TE's RoPE kernel, which the CPU cannot call
     fusions["apply_rope_fusion"] = (False, "the ledger's stand-in for TE's fused RoPE")
     return tuple((name, on, why) for name, (on, why) in fusions.items())
@@ -335,10 +354,12 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.analysis.grad_accumulation import ddp_grad_accumulation
     from megatron_boost.analysis.memory import SavedActivations
     from megatron_boost.parallel.fusion import observe_regions
 
-    with _fake_tp_group(spec.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True):
+    with _fake_tp_group(spec.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True), \
+            cuda_kernel_models():  # before the build: megatron's linears check apex's kernel
         layer, rope, config = _build(spec)
         width = config.hidden_size // spec.tp if spec.mode == "boost" else config.hidden_size
         seq = spec.seq_length // spec.tp if spec.sequence_parallel else spec.seq_length
@@ -347,7 +368,7 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
         freqs = rope(spec.seq_length)  # [s, 1, 1, e], as GPTModel hands it to its layers
         scopes = Scopes(layer)
         recorder = recorder_class()(scopes)
-        with cuda_kernel_models(), observe_regions(recorder), \
+        with observe_regions(recorder), ddp_grad_accumulation(layer, scopes), \
                 record_collectives(tp_group, clock=lambda: len(recorder.kernels)) as log:
             with SavedActivations(exclude=layer.parameters(),
                                   label=lambda: scopes.current) as saved, recorder:
@@ -477,6 +498,21 @@ def spec_label(spec: Any) -> str:
     if get("recompute"):
         label += f" ({get('recompute')} recompute)"
     return label
+
+
+def ledger_from_dict(entry: Dict[str, Any]) -> LayerLedger:
+    """A ledger back from :meth:`LayerLedger.to_dict` (a JSON file's entry; its spec stays a
+    dict, which :func:`spec_label` reads)."""
+    def kernel(k):
+        return Kernel(**{**k, "shapes": tuple(tuple(s) for s in k["shapes"]),
+                         "deps": tuple(k.get("deps", ()))})
+
+    collectives = [CollectiveEntry(**{f: c[f] for f in CollectiveEntry.__dataclass_fields__
+                                      if f in c}) for c in entry["collectives"]]
+    return LayerLedger(spec=entry["spec"], kernels=[kernel(k) for k in entry["kernels"]],
+                       collectives=collectives, saved_bytes=entry["summary"]["saved_bytes"],
+                       saved_by_scope=entry["saved_by_scope"],
+                       saved_fp32_wide=entry["saved_fp32_wide"])
 
 
 def ledger_json(ledgers: Sequence[LayerLedger]) -> str:

@@ -30,6 +30,8 @@ class Kernel:
     """Kernels the CPU's eager path launches for it (a fused region's operators)."""
     shapes: Tuple[tuple, ...] = ()
     dtype: str = ""
+    eager_bytes: int = 0
+    """Bytes the CPU's eager kernels of a fused region move (0 for a single kernel)."""
     deps: Tuple[int, ...] = ()
     """The collectives (their indices in the ledger's kernels) whose result it reads: on a GPU
     it cannot start before they end, waited for or not."""
@@ -44,7 +46,7 @@ class Kernel:
 # classification
 # ---------------------------------------------------------------------------------------------
 
-_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}
+_GEMMS = {"mm", "bmm", "addmm", "addmm_", "baddbmm", "addbmm"}
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                 "detach", "alias", "lift_fresh", "lift_fresh_copy", "_unsafe_view",
                 "_reshape_alias", "view", "resize_", "set_", "_local_scalar_dense"}
@@ -262,6 +264,7 @@ def recorder_class():
                 phase=_phase(), kind=kind, name=name, scope=self.scopes.current,
                 read=sum(_nbytes(t) for t in reads),
                 write=sum(_nbytes(t) for t in outs), eager_kernels=len(inner),
+                eager_bytes=sum(k.bytes for k in inner),
                 flops=attention_flops(name, reads) if kind == "attention" else 0.0,
                 shapes=tuple(tuple(t.shape) for t in reads[:3]),
                 dtype=str(outs[0].dtype).replace("torch.", "") if outs else "",
