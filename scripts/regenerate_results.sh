@@ -5,7 +5,7 @@
 #   scripts/regenerate_results.sh bench comm      # only some: bench, comm, perf, precision, demo,
 #                                                 # paper (the paper table's CPU dry run), ckpt,
 #                                                 # optimizers, ledger, ledger-before,
-#                                                 # bench-before
+#                                                 # ledger-time-before, bench-before
 # `demo` runs scripts/demo.sh (set-up included: run it in a fresh clone to time a new user's
 # first command) and keeps its key lines in docs/results/demo.txt.
 # The CPU benchmark measures ratios side by side in one sitting; run it on a quiet machine.
@@ -74,6 +74,12 @@ for item in $what; do
         training.device=cpu --json "$out/layer-ops-paper-7b-chunks2.json"
       python tools/layer_ops.py --config configs/paper-1b.yaml --tp 1 --modes full,naive,boost \
         training.device=cpu --json "$out/layer-ops-paper-1b-tp1.json" ;;
+    ledger-time-before)
+      # Freeze the 7B ledgers as they are now (run `ledger` first) as the "before" of
+      # docs/performance.md's table in time; `ledger` alone then refreshes the "after".
+      python -c 'import json, sys; json.dump([e for p in sys.argv[2:] for e in json.load(open(p))], open(sys.argv[1], "w"), indent=1)' \
+        "$out/layer-ops-paper-7b-time-before.json" "$out/layer-ops-paper-7b.json" \
+        "$out/layer-ops-paper-7b-chunks2.json" ;;
     bench-before)
       # This checkout's CPU benchmark against the layers before the lean boost step
       # (commit 5398f43), run in turn three times.
@@ -100,7 +106,7 @@ for item in $what; do
     precision)
       python tools/precision_check.py --config configs/debug.yaml --tp 2 \
         > "$out/precision-debug-tp2.txt" ;;
-    *) echo "error: unknown item '$item' (known: bench comm perf precision demo paper ckpt optimizers ledger ledger-before bench-before)" >&2; exit 2 ;;
+    *) echo "error: unknown item '$item' (known: bench comm perf precision demo paper ckpt optimizers ledger ledger-before ledger-time-before bench-before)" >&2; exit 2 ;;
   esac
 done
 activate

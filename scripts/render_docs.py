@@ -187,7 +187,23 @@ def _ledger_change(root: Path, before: str, after: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS = {"include": _include, "bench": _bench, "placement": _placement,
+def _ledger_time(root: Path, *paths: str) -> str:
+    """The op ledgers of ``tools/layer_ops.py --json`` files in time, one table per device
+    profile (``perf/layer_time.py``)."""
+    from megatron_boost.analysis.ledger import ledger_from_dict, spec_label
+    from megatron_boost.perf.layer_time import (DEVICE_PROFILES, layer_time, profile_costs,
+                                                time_table)
+
+    ledgers = [ledger_from_dict(e) for e in _ledgers(root, *paths)]
+    tables = []
+    for profile in DEVICE_PROFILES:
+        rows = [(spec_label(lg.spec), layer_time(lg, profile_costs(profile, lg.spec["tp"])))
+                for lg in ledgers]
+        tables.append(time_table(rows, profile))
+    return "\n\n".join(tables) + "\n"
+
+
+RENDERERS = {"ledger-time": _ledger_time, "include": _include, "bench": _bench, "placement": _placement,
              "paper-table": _paper_table, "ledger": _ledger, "ledger-change": _ledger_change}
 
 

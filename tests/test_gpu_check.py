@@ -264,7 +264,9 @@ def test_cpu_dry_run_every_stage_passes(script_runs):
     # stage 5 ran the override's 3 steps, not cola-350m.yaml's token budget
     assert sum("3 steps (1 warm-up)" in r for r in _stage_rows(out, 5)) == 2
     # (debug shape at tp 1, 2) x 3 modes, each its timing row and its op ledger's row
-    assert len(_stage_rows(out, 7)) == 1 + 2 * 3 * 2
+    # and the jit_fuser row, n/a on the CPU
+    assert len(_stage_rows(out, 7)) == 2 + 2 * 3 * 2
+    assert "no GPU" in [r for r in _stage_rows(out, 7) if "jit_fuser" in r][0]
     ledger_rows = [r for r in _stage_rows(out, 7) if "op ledger:" in r]
     assert len(ledger_rows) == 6 and all("profiler: n/a (no GPU)" in r for r in ledger_rows)
     assert "gpu_check: 5/5 stages ok" in out and "gpu_check: 4/4 stages ok" in out

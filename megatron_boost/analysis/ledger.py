@@ -18,8 +18,10 @@ ATen operator autograd issues; each is one entry (:class:`Kernel`) of a class:
 * ``copy``: layout copies: cat, clone, copy_, stack, and the add of a constant 0;
 * ``fused``: a fused region, one kernel on CUDA (below);
 * ``collective``: the c10d collectives, with their bytes, whether they were issued
-  asynchronously, and the GEMM FLOPs issued between an asynchronous one's start and its wait
-  (what can hide it; a synchronous one, or one waited for before any GEMM, is exposed).
+  asynchronously, where they were waited for, and the GEMM FLOPs issued between an
+  asynchronous one's start and its wait that do not read its result (each kernel lists the
+  collectives whose result it reads, ``Kernel.deps``; the time each keeps the layer waiting:
+  ``perf/layer_time.py``).
 
 Views, allocations and metadata are not kernels. A kernel reads each distinct tensor argument
 once and writes each result (numel × element size; an in-place operator writes its mutated
@@ -34,6 +36,13 @@ RMSNorm (TE's ``TENorm``), megatron's fused SwiGLU (``bias_activation_fusion``, 
 a flash attention kernel. Each is one entry forward and one backward, reading its inputs and
 writing its results; the eager kernels it replaces are counted too (``eager_kernels``), so the
 CPU's own count is also reported.
+
+**DDP's gradient accumulation.** Each parameter gets the fp32 ``main_grad`` megatron's DDP
+gives it and DDP's hook (``analysis/grad_accumulation.py``): its ``main_grad.add_`` is one
+backward entry (scope ``ddp.main_grad``) unless the layer accumulated into ``main_grad`` in its
+own GEMM and set ``grad_added_to_main_grad`` (megatron's linears with
+``gradient_accumulation_fusion``, apex's wgrad GEMM stood in for), so the count follows the
+layer's code.
 
 **Saved activations.** The bytes of the storages autograd keeps for backward
 (``analysis/memory.py``, parameters excluded), with the module that saved each, and the fp32
@@ -53,12 +62,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_boost.analysis.kernel_models import CUDA_KERNEL_MODELS, cuda_kernel_models
+from megatron_boost.analysis.op_recorder import Kernel, Scopes, recorder_class
 from megatron_boost.analysis.shape import ModelShape, check_mode
 
 __all__ = ["KINDS", "TRAFFIC_KINDS", "Kernel", "CollectiveEntry", "LayerLedger", "LedgerSpec",
            "CUDA_KERNEL_MODELS", "in_attention", "layer_ledger", "measure_ledgers",
            "ledger_in_process",
-           "ledger_table", "ledger_json", "spec_label"]
+           "ledger_table", "ledger_json", "ledger_from_dict", "spec_label"]
 
 #: The kernel classes, in report order.
 KINDS = ("gemm", "attention", "elementwise", "fused", "cast", "copy", "collective")
@@ -75,30 +85,6 @@ def in_attention(kernel: "Kernel") -> bool:
     """Whether a kernel is the attention core's or RoPE's."""
     return kernel.scope == CORE_ATTENTION_SCOPE or kernel.name in ROPE_KERNELS
 
-@dataclass
-class Kernel:
-    """One kernel of the layer's forward or backward."""
-
-    phase: str
-    """'fwd' or 'bwd'."""
-    kind: str
-    """One of :data:`KINDS`."""
-    name: str
-    """The ATen operator, or the fused region."""
-    scope: str
-    """The module of the layer that issued it ('layer': the layer's own operators)."""
-    read: int
-    write: int
-    flops: float = 0.0
-    eager_kernels: int = 1
-    """Kernels the CPU's eager path launches for it (a fused region's operators)."""
-    shapes: Tuple[tuple, ...] = ()
-    dtype: str = ""
-
-    @property
-    def bytes(self) -> int:
-        return self.read + self.write
-
 
 @dataclass
 class CollectiveEntry:
@@ -111,13 +97,20 @@ class CollectiveEntry:
     width: int
     async_op: bool
     overlap_flops: float
-    """GEMM FLOPs issued between its start and its wait (0 for a synchronous one)."""
+    """GEMM FLOPs issued between its start and its wait that do not read its result (0 for a
+    synchronous one): what can run beside it."""
     overlap_bytes: int
-    """Bytes moved by the other kernels issued between its start and its wait."""
+    """Bytes moved by the other such kernels (independent of it) between start and wait."""
+    issued_at: int = 0
+    """Its index in the ledger's kernels (the op stream's order)."""
+    waited_at: Optional[int] = None
+    """The index of the first kernel issued after its wait (None: not waited for in the
+    layer); a synchronous one's is the next kernel's."""
 
     @property
     def exposed(self) -> bool:
-        """Nothing can run beside it: synchronous, or waited for before any GEMM."""
+        """Nothing can run beside it: synchronous, or waited for before any GEMM that does
+        not depend on it (how long it waits: ``perf/layer_time.py``)."""
         return not self.async_op or self.overlap_flops == 0
 
 
@@ -158,6 +151,13 @@ class LayerLedger:
         megatron's RoPE."""
         return self.select(kind="copy", outside_attention=outside_attention)
 
+    def ddp_accumulation(self) -> List[Kernel]:
+        """The kernels of DDP's hook adding gradients into ``main_grad``
+        (``analysis/grad_accumulation.py``)."""
+        from megatron_boost.analysis.grad_accumulation import DDP_SCOPE
+
+        return [k for k in self.kernels if k.scope == DDP_SCOPE]
+
     def gemm_flops(self, phase=None) -> float:
         return sum(k.flops for k in self.select(phase, "gemm"))
 
@@ -180,6 +180,8 @@ class LayerLedger:
         out["traffic_bytes_outside_attention"] = self.traffic(outside_attention=True)
         out["kernels_outside_attention"] = self.count(outside_attention=True)
         out["layout_copies_outside_attention"] = len(self.layout_copies())
+        out["ddp_accumulation_kernels"] = len(self.ddp_accumulation())
+        out["ddp_accumulation_bytes"] = sum(k.bytes for k in self.ddp_accumulation())
         out["collectives_exposed"] = sum(c.exposed for c in self.collectives)
         out["collectives_exposed_bytes"] = sum(c.bytes for c in self.collectives if c.exposed)
         out["saved_bytes"] = self.saved_bytes
@@ -215,220 +217,6 @@ class LedgerSpec:
     """Full rank's fused SwiGLU; None: as a CUDA run resolves it (on)."""
 
 
-# ---------------------------------------------------------------------------------------------
-# classification
-# ---------------------------------------------------------------------------------------------
-
-_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}
-_NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                "detach", "alias", "lift_fresh", "lift_fresh_copy", "_unsafe_view",
-                "_reshape_alias", "view", "resize_", "set_", "_local_scalar_dense"}
-_COPIES = {"cat", "clone", "copy_", "stack", "contiguous", "slice_backward",
-           "select_backward", "index_put_", "_to_copy_layout"}
-_OVERWRITE = {"copy_", "fill_", "zero_", "normal_", "uniform_"}
-
-
-def _tensors(tree) -> List:
-    import torch
-    from torch.utils._pytree import tree_leaves
-
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
-
-
-def _distinct(tensors) -> List:
-    seen, out = set(), []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def _is_zero(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
-
-
-def _kind(func, args, out) -> Optional[str]:
-    """The class of an ATen operator, or None when it launches no kernel."""
-    name = func.overloadpacket.__name__
-    if func.namespace == "c10d":
-        return "collective"
-    if func.namespace != "aten" or name in _NOT_KERNELS or getattr(func, "is_view", False):
-        return None
-    if name in _GEMMS:
-        return "gemm"
-    if "attention" in name or "flash" in name:
-        return "attention"
-    if name == "_to_copy":
-        return "cast" if _tensors(out)[0].dtype != _tensors(args)[0].dtype else "copy"
-    if name in _COPIES:
-        return "copy"
-    if name in ("add", "sub") and len(args) > 1 and _is_zero(args[1]):
-        return "copy"  # x + 0: a copy of x
-    return "elementwise"
-
-
-def _gemm_flops(func, args) -> float:
-    name = func.overloadpacket.__name__
-    mats = [t for t in _tensors(args) if t.dim() >= 2]
-    a, b = mats[-2], mats[-1]
-    batch = a.shape[0] if a.dim() == 3 else 1
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    if name == "addbmm":
-        batch = a.shape[0]
-    return 2.0 * batch * m * n * k
-
-
-# ---------------------------------------------------------------------------------------------
-# scopes: forward by module hooks, backward by the autograd nodes each module created
-# ---------------------------------------------------------------------------------------------
-
-_SCOPE_KEY = "megatron_boost_ledger_scope"
-
-
-class _Scopes:
-    """The module scope of the operator now running, forward and backward."""
-
-    def __init__(self, layer):
-        self.stack: List[str] = ["layer"]
-        self.backward_scope = "layer"
-        self._handles = []
-        for name, module in layer.named_modules():
-            scope = name or "layer"
-            self._handles.append(module.register_forward_pre_hook(self._enter(scope)))
-            self._handles.append(module.register_forward_hook(self._leave(scope)))
-
-    @property
-    def current(self) -> str:
-        import torch
-
-        return self.backward_scope if torch._C._current_graph_task_id() != -1 else self.stack[-1]
-
-    def _enter(self, scope: str):
-        def hook(module, args):
-            # autograd nodes behind the inputs, not yet claimed, were created by the enclosing
-            # scope's own operators
-            self._claim(_tensors(args), self.stack[-1])
-            self.stack.append(scope)
-        return hook
-
-    def _leave(self, scope: str):
-        def hook(module, args, output):
-            self._claim(_tensors(output), scope)
-            self.stack.pop()
-        return hook
-
-    def _claim(self, tensors, scope: str) -> None:
-        """Tag every untagged autograd node behind ``tensors`` with ``scope`` (stopping at
-        tagged ones: an inner module's, or an earlier one's) and make each set the backward
-        scope when it runs."""
-        todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
-        while todo:
-            node = todo.pop()
-            if node is None or _SCOPE_KEY in node.metadata:
-                continue
-            node.metadata[_SCOPE_KEY] = scope
-            if type(node).__name__ != "AccumulateGrad":
-                node.register_prehook(self._backward_enter(scope))
-            todo.extend(fn for fn, _ in node.next_functions)
-
-    def _backward_enter(self, scope: str):
-        def prehook(grad_outputs):
-            self.backward_scope = scope
-        return prehook
-
-    def close(self, outputs) -> None:
-        self._claim(_tensors(outputs), "layer")
-        for h in self._handles:
-            h.remove()
-
-
-# ---------------------------------------------------------------------------------------------
-# the recorder
-# ---------------------------------------------------------------------------------------------
-
-
-def _phase() -> str:
-    import torch
-
-    return "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
-
-
-def _recorder_class():
-    """The dispatch-mode recorder (defined on first use: torch is imported lazily)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from megatron_boost.parallel.fusion import RegionObserver
-
-    class Recorder(TorchDispatchMode, RegionObserver):
-        def __init__(self, scopes: _Scopes):
-            super().__init__()
-            self.scopes = scopes
-            self.kernels: List[Kernel] = []
-            self._regions: List[List[Kernel]] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            kind = _kind(func, args, out)
-            if kind is not None:
-                self._add(self._kernel(func, kind, args, kwargs, out))
-            return out
-
-        def _kernel(self, func, kind, args, kwargs, out) -> Kernel:
-            reads, writes = _traffic(func, args, kwargs, out)
-            outs = _tensors(out) or writes
-            return Kernel(phase=_phase(), kind=kind, name=str(func), scope=self.scopes.current,
-                          read=sum(_nbytes(t) for t in reads),
-                          write=sum(_nbytes(t) for t in writes),
-                          flops=_gemm_flops(func, args) if kind == "gemm" else 0.0,
-                          shapes=tuple(tuple(t.shape) for t in _tensors(args)[:3]),
-                          dtype=str(outs[0].dtype).replace("torch.", "") if outs else "")
-
-        def _add(self, kernel: Kernel) -> None:
-            (self._regions[-1] if self._regions else self.kernels).append(kernel)
-
-        # RegionObserver
-        def enter(self, name: str) -> None:
-            self._regions.append([])
-
-        def exit(self, name: str, args: tuple, result: Any, kind: str = "fused") -> None:
-            inner = self._regions.pop()
-            outs = _distinct(_tensors(result))
-            self._add(Kernel(
-                phase=_phase(), kind=kind, name=name, scope=self.scopes.current,
-                read=sum(_nbytes(t) for t in _distinct(_tensors(args))),
-                write=sum(_nbytes(t) for t in outs), eager_kernels=len(inner),
-                shapes=tuple(tuple(t.shape) for t in _distinct(_tensors(args))[:3]),
-                dtype=str(outs[0].dtype).replace("torch.", "") if outs else ""))
-
-    return Recorder
-
-
-def _traffic(func, args, kwargs, out) -> Tuple[List, List]:
-    """(tensors read, tensors written) by one operator: it writes its mutated arguments (in
-    place, ``out=``) or else its results, and reads every other tensor argument, and the
-    mutated ones it updates (``add_``) but not those it only overwrites (``copy_``, fills,
-    ``out=``)."""
-    schema = func._schema
-    mutated, overwritten = [], []
-    overwrite_only = func.overloadpacket.__name__ in _OVERWRITE
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = kwargs.get(arg.name) if arg.kwarg_only or i >= len(args) else args[i]
-        mutated += _tensors(value)
-        if arg.kwarg_only or overwrite_only:
-            overwritten += _tensors(value)
-    reads = [t for t in _distinct(_tensors((args, kwargs)))
-             if not any(t is w for w in overwritten)]
-    writes = _distinct(mutated) if mutated else _distinct(_tensors(out))
-    return reads, writes
-
 
 # ---------------------------------------------------------------------------------------------
 # building and running one layer
@@ -463,11 +251,14 @@ def _run_config(spec: LedgerSpec):
 
 def _cuda_fusions(spec: LedgerSpec):
     """The fusion settings a CUDA run with Transformer Engine resolves for ``spec`` (the ledger
-    counts the CUDA op graph); RoPE's and the norms' fused kernels are the stand-ins."""
+    counts the CUDA op graph); RoPE's and the norms' fused kernels and apex's wgrad GEMM are the
+    stand-ins."""
     from megatron_boost.runtime.backends import FusedKernels, resolve_fusions
 
-    fusions = resolve_fusions("cuda", "te", FusedKernels(te=True), mode=spec.mode,
-                              bias_activation_fusion=spec.bias_activation_fusion)
+    # apex's wgrad kernel too (megatron's linears accumulate into main_grad in their GEMM;
+    # the kernel's stand-in: analysis/kernel_models.py)
+    fusions = resolve_fusions("cuda", "te", FusedKernels(te=True, wgrad_accumulation=True),
+                              mode=spec.mode, bias_activation_fusion=spec.bias_activation_fusion)
     # the stand-in replaces TE's RoPE kernel, which the CPU cannot call
     fusions["apply_rope_fusion"] = (False, "the ledger's stand-in for TE's fused RoPE")
     return tuple((name, on, why) for name, (on, why) in fusions.items())
@@ -532,12 +323,14 @@ def _collective_entries(kernels: List[Kernel], log) -> List[CollectiveEntry]:
     out = []
     for index, rec in zip(at, log.records):
         end = rec.waited_at if rec.waited_at is not None else len(kernels)
-        between = kernels[index + 1:end] if rec.async_op else []
+        between = [k for k in (kernels[index + 1:end] if rec.async_op else [])
+                   if k.kind != "collective" and index not in k.deps]
         out.append(CollectiveEntry(
             phase=rec.direction, kind=rec.kind, scope=kernels[index].scope, bytes=rec.nbytes,
             width=rec.width, async_op=rec.async_op,
-            overlap_flops=sum(k.flops for k in between),
-            overlap_bytes=sum(k.bytes for k in between if k.kind != "collective")))
+            overlap_flops=sum(k.flops for k in between if k.kind == "gemm"),
+            overlap_bytes=sum(k.bytes for k in between), issued_at=index,
+            waited_at=rec.waited_at))
     return out
 
 
@@ -561,19 +354,21 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.analysis.grad_accumulation import ddp_grad_accumulation
     from megatron_boost.analysis.memory import SavedActivations
     from megatron_boost.parallel.fusion import observe_regions
 
-    with _fake_tp_group(spec.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True):
+    with _fake_tp_group(spec.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True), \
+            cuda_kernel_models():  # before the build: megatron's linears check apex's kernel
         layer, rope, config = _build(spec)
         width = config.hidden_size // spec.tp if spec.mode == "boost" else config.hidden_size
         seq = spec.seq_length // spec.tp if spec.sequence_parallel else spec.seq_length
         x = torch.empty(seq, spec.micro_batch, width, dtype=config.params_dtype,
                         requires_grad=True)
         freqs = rope(spec.seq_length)  # [s, 1, 1, e], as GPTModel hands it to its layers
-        scopes = _Scopes(layer)
-        recorder = _recorder_class()(scopes)
-        with cuda_kernel_models(), observe_regions(recorder), \
+        scopes = Scopes(layer)
+        recorder = recorder_class()(scopes)
+        with observe_regions(recorder), ddp_grad_accumulation(layer, scopes), \
                 record_collectives(tp_group, clock=lambda: len(recorder.kernels)) as log:
             with SavedActivations(exclude=layer.parameters(),
                                   label=lambda: scopes.current) as saved, recorder:
@@ -703,6 +498,21 @@ def spec_label(spec: Any) -> str:
     if get("recompute"):
         label += f" ({get('recompute')} recompute)"
     return label
+
+
+def ledger_from_dict(entry: Dict[str, Any]) -> LayerLedger:
+    """A ledger back from :meth:`LayerLedger.to_dict` (a JSON file's entry; its spec stays a
+    dict, which :func:`spec_label` reads)."""
+    def kernel(k):
+        return Kernel(**{**k, "shapes": tuple(tuple(s) for s in k["shapes"]),
+                         "deps": tuple(k.get("deps", ()))})
+
+    collectives = [CollectiveEntry(**{f: c[f] for f in CollectiveEntry.__dataclass_fields__
+                                      if f in c}) for c in entry["collectives"]]
+    return LayerLedger(spec=entry["spec"], kernels=[kernel(k) for k in entry["kernels"]],
+                       collectives=collectives, saved_bytes=entry["summary"]["saved_bytes"],
+                       saved_by_scope=entry["saved_by_scope"],
+                       saved_fp32_wide=entry["saved_fp32_wide"])
 
 
 def ledger_json(ledgers: Sequence[LayerLedger]) -> str:

@@ -4,7 +4,8 @@ saved activations of one decoder layer on one TP rank, at a config's real per-ra
 
     megatron-boost-layer-ops --config configs/paper-7b.yaml [--tp 4] [--modes full,naive,boost]
         [--micro-batch-size 4] [--seq-length 4096] [--dtype bf16] [--chunks 2]
-        [--recompute lowrank] [--kernels] [--json out.json] [overrides ...]
+        [--recompute lowrank] [--profile h100-sxm] [--kernels] [--json out.json]
+        [overrides ...]
 
 Each mode's layer is built exactly as the model builds it, from FakeTensors (real shapes, dtypes
 and strides, no memory), on rank 0 of a fake TP group of ``tp`` ranks: a 7B layer at 16384
@@ -19,6 +20,10 @@ elementwise + copy traffic forward / backward (and outside the attention core an
 every mode shares), the layout copies outside attention, the collectives (exposed: synchronous,
 or waited for before any GEMM could run beside them), the saved activations and the fp32 ones
 one value per token wider; then each mode's collectives and where its saved bytes come from.
+Then the layers in time at a device profile (``--profile``, ``perf/layer_time.py``): the
+kernels on one compute stream and the collectives on one communication stream, a collective
+hidden only by work issued beside it that does not read its result; GEMM, attention, memory
+traffic and exposed communication time, and the total over the FLOP time (GEMMs + attention).
 ``--kernels`` lists every kernel. Units: GB = 1e9 bytes, GiB = 2**30.
 """
 
@@ -50,11 +55,35 @@ def build_parser() -> argparse.ArgumentParser:
                         help="boost: parallel.bottleneck_overlap_chunks (default: the config's)")
     parser.add_argument("--recompute", choices=["none", "lowrank"], default="none",
                         help="the layer's recompute (lowrank: the bottleneck modes only)")
+    parser.add_argument("--profile", choices=list(_profiles()), default=_profiles()[0],
+                        help="device profile of the time table (perf/layer_time.py)")
     parser.add_argument("--kernels", action="store_true", help="list every kernel")
     parser.add_argument("--json", type=output_file, default=None,
                         help="write the ledgers here (checked before measuring)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.mlp_rank=512")
     return parser
+
+
+def _profiles() -> List[str]:
+    from megatron_boost.perf.layer_time import DEFAULT_PROFILE, DEVICE_PROFILES
+
+    return [DEFAULT_PROFILE] + [p for p in DEVICE_PROFILES if p != DEFAULT_PROFILE]
+
+
+def time_lines(ledgers, profile: str) -> List[str]:
+    """The layers' time table at ``profile`` and each collective's exposed time."""
+    from megatron_boost.analysis.ledger import spec_label
+    from megatron_boost.perf.layer_time import layer_time, profile_costs, time_table
+
+    timed = [(spec_label(lg.spec), layer_time(lg, profile_costs(profile, lg.spec.tp)))
+             for lg in ledgers]
+    lines = ["", f"in time at {profile} (ms; one compute and one communication stream):",
+             time_table(timed, profile)]
+    for label, t in timed:
+        rows = ", ".join(f"{r['phase']} {r['scope']} {r['exposed_s'] * 1e3:.3f}/"
+                         f"{r['link_s'] * 1e3:.3f}" for r in t.collectives)
+        lines.append(f"{label}: collectives exposed/on the link ms: {rows}")
+    return lines
 
 
 def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_length: int,
@@ -162,6 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(_header(specs[0], args.config))
     print(ledger_table(ledgers))
     print(_legend())
+    print("\n".join(time_lines(ledgers, args.profile)))
     for ledger in ledgers:
         print("\n".join(_details(ledger)))
         if args.kernels:

@@ -54,10 +54,12 @@ Model of one kernel (all times in seconds; P = bf16 peak × sustained_clock_rati
   p2p ``α + bytes/(B_link · η_link)``. A group that fits in one node uses NVLink (on a
   switchless full mesh such as Perlmutter's 4-GPU node, only the links to the group's n-1
   peers: min(B_nvlink, (n-1)·B_pair)), otherwise InfiniBand (per-GPU NIC bandwidth).
-  A layer's TP collectives are those its op ledger records, each charged in full when
-  synchronous and, when asynchronous, less the GEMMs issued between its start and its wait
-  (their FLOPs at the layer's GEMM rate): boost's backward all-reduces hide behind the dB
-  GEMMs, and ``Layout.overlap_chunks`` > 1 pipelines its forward ones.
+  A layer's TP collectives are those its op ledger records, and what they keep the layer
+  waiting is the ledger's schedule (``perf/layer_time.py``: the recorded op stream on one
+  compute and one communication stream, a collective hidden only by work issued beside it
+  that does not read its result), at this GPU with these cost functions: boost's backward
+  all-reduces hide behind the dB GEMMs, and ``Layout.overlap_chunks`` > 1 pipelines its
+  forward ones, one after another on the link.
 * Pipeline (1F1B, ``m`` micro-batches, ``p`` stages, ``v`` virtual stages):
   ``T_pipe = m · max_stage + (Σ_stages − max_stage) / v`` — for equal stages this is
   ``(m + (p−1)/v) · t_stage``, i.e. a bubble fraction ``(p−1)/(m+p−1)`` for ``v = 1``.
@@ -364,29 +366,15 @@ def _recompute_cost(st: _Setting, g_fwd: float, gB_fwd: float, a_fwd: float, el_
     return (a_fwd if st.layout.mode == "naive" else gB_fwd + a_fwd), 0.0
 
 
-def _gemm_rate(gemms: Iterable[Gemm], n: int, hw: HardwareSpec, backward: bool) -> float:
-    """FLOP/s the layer's GEMMs reach in one direction (what hides an overlapped collective)."""
-    fw, bw = _gemm_fwd_bwd(gemms, n, hw)
-    flops = sum(2.0 * n * g.N * g.K for g in gemms) * (2 if backward else 1)
-    seconds = bw if backward else fw
-    return flops / seconds if seconds > 0 else float("inf")
+def _exposed_tp_seconds(st: _Setting, ledger) -> Tuple[float, float]:
+    """(forward, backward) seconds the layer's TP collectives keep it waiting: the op ledger's
+    stream on one compute and one communication stream (``perf/layer_time.py``, the same
+    schedule ``tools/layer_ops.py`` prints), priced at this GPU with the model's curves."""
+    from megatron_boost.perf.layer_time import KernelCosts, layer_time
 
-
-def _ledger_collectives_seconds(st: _Setting, ledger, phase: str, rate: float) -> float:
-    """Seconds the TP collectives the op ledger recorded in ``phase`` keep the layer waiting:
-    a synchronous one in full; an asynchronous one less the GEMMs issued between its start
-    and its wait (the op ledger's ``overlap_flops``, at the layer's GEMM rate)."""
-    time_of = {"all_reduce": st.tp_allreduce, "all_gather": st.tp_allgather,
-               "reduce_scatter": st.tp_allgather}  # ring: same cost both ways
-    total = 0.0
-    for c in ledger.collectives:
-        if c.phase != phase:
-            continue
-        seconds = time_of[c.kind](c.bytes)
-        if c.async_op:
-            seconds = max(0.0, seconds - c.overlap_flops / rate)
-        total += seconds
-    return total
+    costs = KernelCosts(st.hw, st.layout.tp, flop_eff=None, intra_node=st.tp_intra)
+    timed = layer_time(ledger, costs)
+    return timed.exposed["fwd"], timed.exposed["bwd"]
 
 
 def _memory_bound_seconds(ledger, phase: str, hw: HardwareSpec) -> float:
@@ -410,8 +398,7 @@ def _layer_times(st: _Setting) -> Tuple[Dict[str, float], Dict[str, float]]:
     gB_fwd, _ = _gemm_fwd_bwd([gm for gm in w.gemms if gm.kind != "A"], n, hw)
     a_fwd, a_bwd = attention_time(b, st.shape.seq_length, int(w.attn_heads), st.shape.e, hw)
     el_fwd, el_bwd = (_memory_bound_seconds(ledger, phase, hw) for phase in ("fwd", "bwd"))
-    c_fwd = _ledger_collectives_seconds(st, ledger, "fwd", _gemm_rate(w.gemms, n, hw, False))
-    c_bwd = _ledger_collectives_seconds(st, ledger, "bwd", _gemm_rate(w.gemms, n, hw, True))
+    c_fwd, c_bwd = _exposed_tp_seconds(st, ledger) if st.layout.tp > 1 else (0.0, 0.0)
     rec, rec_comm = _recompute_cost(st, g_fwd, gB_fwd, a_fwd, el_fwd, c_fwd)
     layer_f = {"gemm": g_fwd, "attention": a_fwd, "elementwise": el_fwd, "tp_comm": c_fwd}
     layer_b = {"gemm": g_bwd, "attention": a_bwd, "elementwise": el_bwd,

@@ -171,9 +171,28 @@ def stage_layers(plan: Plan, work: Path) -> None:
 
     setup_stage(plan)
     peak = peak_tflops(None, plan.device)
+    fuser_check(7, plan.device == "cuda")
     for name in plan.layer_models:
         shape = ModelShape.from_config(load_config(f"configs/{name}.yaml", [], plan.device), name)
         run_cases(7, _layer_cases(plan, shape, peak), plan.device)
+
+
+def fuser_check(stage: int, on_cuda: bool, jit_fuser=None, env=None, ledger=None) -> bool:
+    """The profiler stage's row on megatron's jit_fuser: FAIL on a CUDA run where it does not
+    compile (``analysis/fusion_check.py``: every fused region would run as its eager
+    kernels, which the op ledger's counts leave out), with the layer's cost; n/a on the CPU,
+    where the regions run eagerly by design. ``jit_fuser`` and ``env``: megatron's and this
+    process's by default (a test passes its own)."""
+    from megatron_boost.analysis.fusion_check import fuser_notice, jit_fuser_problem
+
+    if not on_cuda:
+        emit(Row(stage, "jit_fuser", "n/a", "no GPU: the fused regions compile on CUDA only"))
+        return True
+    problem = jit_fuser_problem(jit_fuser, env)
+    ok = problem is None
+    check(stage, "jit_fuser", ok,
+          "megatron's jit_fuser compiles (torch.compile)" if ok else fuser_notice(problem, ledger))
+    return ok
 
 
 def _layer_cases(plan: Plan, shape, peak: Optional[float]) -> Iterable[Case]:

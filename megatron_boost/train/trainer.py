@@ -231,6 +231,12 @@ class Trainer:
             built.scheduler
         self.forward_step = built.forward_step
         self._print_banner()
+        if self.device == "cuda":  # the op ledger's kernels hold only where the fuser compiles
+            from megatron_boost.analysis.fusion_check import jit_fuser_problem, run_fuser_notice
+
+            notice = run_fuser_notice(self.cfg, jit_fuser_problem())
+            if notice:
+                print0(notice)
 
     def _print_banner(self) -> None:
         cfg, par, t = self.cfg, self.cfg.parallel, self.cfg.training
