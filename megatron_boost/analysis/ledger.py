@@ -11,7 +11,7 @@ exactly, in seconds and without allocating it: nothing is scaled. The layer runs
 RoPE as the GPT model applies it, and backward, under a ``TorchDispatchMode`` that sees every
 ATen operator autograd issues; each is one entry (:class:`Kernel`) of a class:
 
-* ``gemm``: mm, bmm, addmm, baddbmm (FLOPs 2·M·N·K);
+* ``gemm``: mm, bmm, addmm, baddbmm, and their in-place forms (FLOPs 2·M·N·K);
 * ``attention``: the attention core's kernels (SDPA's, flash);
 * ``elementwise``: pointwise and reduction kernels, memsets included;
 * ``cast``: dtype conversions;
@@ -219,7 +219,8 @@ class LedgerSpec:
 # classification
 # ---------------------------------------------------------------------------------------------
 
-_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm"}
+# in-place forms: a GEMM accumulating into its output (beta = 1)
+_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmm_", "baddbmm_", "addbmm_"}
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                 "detach", "alias", "lift_fresh", "lift_fresh_copy", "_unsafe_view",
                 "_reshape_alias", "view", "resize_", "set_", "_local_scalar_dense"}
@@ -278,7 +279,7 @@ def _gemm_flops(func, args) -> float:
     a, b = mats[-2], mats[-1]
     batch = a.shape[0] if a.dim() == 3 else 1
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    if name == "addbmm":
+    if name in ("addbmm", "addbmm_"):
         batch = a.shape[0]
     return 2.0 * batch * m * n * k
 

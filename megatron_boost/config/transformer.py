@@ -128,8 +128,9 @@ class BoostTransformerConfig(TransformerConfig):
     column-parallel reduction). Gradients are identical either way."""
 
     bottleneck_overlap_chunks: int = 1
-    """boost: chunks of the sequence whose A GEMM and products all-reduce pipeline in each
-    bottleneck group's forward (``parallel.bottleneck_overlap_chunks``); 1: one of each."""
+    """boost: blocks of the sequence over which each bottleneck group runs as one pipeline of
+    GEMMs and all-reduces, forward and backward (``parallel.bottleneck_overlap_chunks``,
+    ``parallel/pipeline.py``); 1: one of each."""
 
     lowrank_recompute: bool = False
     """Low-rank activation checkpointing (BOOST): per layer keep only the hidden-sharded input,

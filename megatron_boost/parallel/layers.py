@@ -56,6 +56,7 @@ from megatron_boost.parallel.mappings import (
     split_project,
 )
 from megatron_boost.parallel.online_rmsnorm import autograd_activation_grad, fold_norm_weight
+from megatron_boost.parallel.pipeline import PipelinePlan, pipelined_bottleneck
 from megatron_boost.parallel.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
 
 __all__ = [
@@ -327,30 +328,43 @@ class BoostBottleneckGroup(BottleneckGroup):
             identity=is_identity(name), hidden_size=input_size, eps=self.eps)
 
     def forward(self, x: torch.Tensor):
+        x_in, w, with_statistic = self._a_side(x)
+        if self.config.bottleneck_overlap_chunks > 1:  # one pipeline over blocks of tokens
+            return self.outputs(pipelined_bottleneck(x_in, w, self.B, self._plan(with_statistic)))
         # [s, b, Σr] and the fp32 [s, b, 1] sum of squares (None unless the fused norm
-        # gathers it), complete on every rank
-        products, sumsq = self._reduced_products(x)
+        # gathers it), complete on every rank: ONE GEMM for the group's A factors and ONE
+        # all-reduce of the partial products; fwd AR(Σr (+1)), bwd identity (then the GEMMs'
+        # backward). Low-rank activation checkpointing serves both from its log, through the
+        # mappings (docs/design.md §7).
+        products, sumsq = (reduce_products(x_in, w, self.tp_group, with_statistic=True)
+                           if with_statistic else (reduce_products(x_in, w, self.tp_group), None))
         # scale and σ, then the B factors; bwd: AR(Σr) of dz, overlapped with dB.
         return self.outputs(bottleneck_up(
             products, sumsq, self.B, self._b_rows, [p.rank for p in self.projections],
             self.tp_group, self._activation, self.config.overlap_bottleneck_grad_reduce,
             batched=self.batched_up))
 
-    def _reduced_products(self, x: torch.Tensor):
-        """ONE GEMM for the group's A factors and ONE all-reduce of the partial products
-        (``reduce_products``); fwd AR(Σr), bwd identity (then the GEMMs' backward). With the
+    def _a_side(self, x: torch.Tensor):
+        """(input, factor, whether the statistic is gathered) of the group's A GEMM. With the
         fused norm at t > 1, A is scaled by γ (weight-sized) and online-RMSNorm's fp32
-        statistic rides with the products (``parallel/online_rmsnorm.py``). Returns
-        (products, statistic or None). Low-rank activation checkpointing serves both from its
-        log, through the mappings (docs/design.md §7)."""
-        chunks = self.config.bottleneck_overlap_chunks
+        statistic rides with the products (``parallel/online_rmsnorm.py``); at t = 1 the whole
+        hidden vector is here: a plain fused RMSNorm in front of the GEMM."""
         if not self.fuse_norm:
-            return reduce_products(x, self.A, self.tp_group, chunks=chunks), None
-        if self.tp_size == 1:  # the whole hidden vector is here: a plain fused RMSNorm
-            normed = F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps)
-            return reduce_products(normed, self.A, self.tp_group, chunks=chunks), None
-        folded = fold_norm_weight(self.A, self.layer_norm_weight)  # [Σr, d/t]
-        return reduce_products(x, folded, self.tp_group, with_statistic=True, chunks=chunks)
+            return x, self.A, False
+        if self.tp_size == 1:
+            return F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), self.A, False
+        return x, fold_norm_weight(self.A, self.layer_norm_weight), True  # [Σr, d/t]
+
+    def _plan(self, with_statistic: bool) -> PipelinePlan:
+        """``parallel.bottleneck_overlap_chunks`` > 1: the group's pipeline
+        (``parallel/pipeline.py``)."""
+        ranks = [p.rank for p in self.projections]
+        shared = self.batched_up and len(set(self._b_rows)) == 1 and len(set(ranks)) == 1
+        return PipelinePlan(
+            group=self.tp_group, chunks=self.config.bottleneck_overlap_chunks,
+            rows=tuple(self._b_rows), ranks=tuple(ranks), activation=self._activation,
+            with_statistic=with_statistic,
+            overlap_backward=self.config.overlap_bottleneck_grad_reduce, shared_output=shared)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):

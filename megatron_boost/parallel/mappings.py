@@ -34,7 +34,7 @@ layer's log (``parallel/recompute.py``), so the layers' forward is written once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from megatron.core.tensor_parallel.mappings import (
@@ -77,33 +77,12 @@ def reduce_forward(x: torch.Tensor, group) -> torch.Tensor:
     return all_reduce(x) if log is None else log.reduce(x, all_reduce)
 
 
-def _row_chunks(rows_per_position: int, positions: int, chunks: int) -> List[Tuple[int, int]]:
-    """(first row, end row) of each of ``chunks`` blocks of whole sequence positions of a
-    token-major [s·b, ·] matrix: contiguous row blocks, as equal as s allows."""
-    bounds = [round(i * positions / chunks) for i in range(chunks + 1)]
-    return [(a * rows_per_position, b * rows_per_position)
-            for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def _gemm_all_reduce(x2d: torch.Tensor, w: torch.Tensor, out2d: torch.Tensor, group,
-                     blocks: List[Tuple[int, int]]) -> None:
-    """out2d[:, :n] = x2d · Wᵀ and out2d all-reduced over ``group`` in place, block of rows by
-    block: each block's all-reduce is started as soon as its GEMM is done, so it travels while
-    the next block's GEMM computes (one block: one GEMM, then one all-reduce)."""
-    n = w.shape[0]
-    if len(blocks) == 1:
-        torch.mm(x2d, w.t(), out=out2d[:, :n])
-        if get_pg_size(group) > 1:
-            torch.distributed.all_reduce(out2d, group=group)
-        return
-    handles = []
-    for first, end in blocks:
-        torch.mm(x2d[first:end], w.t(), out=out2d[first:end, :n])
-        if get_pg_size(group) > 1:  # a whole-row block: contiguous
-            handles.append(torch.distributed.all_reduce(out2d[first:end], group=group,
-                                                        async_op=True))
-    for handle in handles:
-        handle.wait()
+def _gemm_all_reduce(x2d: torch.Tensor, w: torch.Tensor, out2d: torch.Tensor, group) -> None:
+    """out2d[:, :n] = x2d · Wᵀ, then out2d all-reduced over ``group`` in place (the GEMM writes
+    straight into the buffer the all-reduce reduces)."""
+    torch.mm(x2d, w.t(), out=out2d[:, :w.shape[0]])
+    if get_pg_size(group) > 1:
+        torch.distributed.all_reduce(out2d, group=group)
 
 
 class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
@@ -113,8 +92,8 @@ class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
     fwd: the statistic's region; with fp32 products it rides as the last column of the
          products' all-reduce (Σr + 1), with bf16 ones its own fp32 all-reduce is started
          before the GEMM and waited for after it. The GEMM writes straight into the buffer the
-         all-reduce reduces in place; with ``chunks`` > 1, blocks of sequence positions
-         pipeline GEMM and all-reduce. In a low-rank recompute: the recorded results, no GEMM,
+         all-reduce reduces in place (blocks of sequence positions pipelined with σ and the B
+         GEMMs: ``parallel/pipeline.py``). In a low-rank recompute: the recorded results, no GEMM,
          no collective.
     bwd: no communication (the reduction's backward is the identity): dx = dP·W (+ 2·x·dΣx²,
          one kernel), dW = dPᵀ·x.
@@ -122,7 +101,7 @@ class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, group, with_statistic: bool, chunks: int):
+    def forward(ctx, x, w, group, with_statistic: bool):
         ctx.with_statistic = with_statistic
         ctx.save_for_backward(x, w)
         log = active_log() if get_pg_size(group) > 1 else None
@@ -139,8 +118,7 @@ class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
         out2d = out.view(-1, out.shape[-1])
         if with_statistic and rides:
             out[..., n:].copy_(sumsq)  # one value per token: the column rides along
-        _gemm_all_reduce(x2d, w, out2d, group, _row_chunks(x2d.shape[0] // lead[0], lead[0],
-                                                           chunks))
+        _gemm_all_reduce(x2d, w, out2d, group)
         if handle is not None:
             handle.wait()
         if with_statistic and rides:
@@ -160,7 +138,7 @@ class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
         if ctx.with_statistic and d_sumsq is not None:
             dx.addcmul_(x, d_sumsq, value=2.0)  # + d(Σx²)/dx, in the same buffer
         dw = torch.mm(g2d.t(), x.reshape(-1, x.shape[-1]))  # [Σr, d_in/t]
-        return dx, dw, None, None, None
+        return dx, dw, None, None
 
 
 def _replayed_products(log, n: int, dtype, with_statistic: bool):
@@ -173,14 +151,13 @@ def _replayed_products(log, n: int, dtype, with_statistic: bool):
     return first.view_as(first), log.next_recorded().view_as(first[..., :1])
 
 
-def reduce_products(x: torch.Tensor, w: torch.Tensor, group, with_statistic: bool = False,
-                    chunks: int = 1):
+def reduce_products(x: torch.Tensor, w: torch.Tensor, group, with_statistic: bool = False):
     """boost's A side: ONE GEMM of the group's (γ-scaled) A factors on the local shard x
     [s, b, d_in/t] and ONE all-reduce of the partial products (Σr wide; with the statistic
-    Σr + 1, or Σr and an fp32 1 in bf16), pipelined over ``chunks`` blocks of the sequence.
+    Σr + 1, or Σr and an fp32 1 in bf16).
     Returns P [s, b, Σr], or (P, Σx² [s, b, 1]) ``with_statistic``
     (:class:`_ProductsAllReduceFwdGemmBwd`)."""
-    return _ProductsAllReduceFwdGemmBwd.apply(x, w, group, with_statistic, chunks)
+    return _ProductsAllReduceFwdGemmBwd.apply(x, w, group, with_statistic)
 
 
 def split_project(z: torch.Tensor, weights, ranks: Sequence[int]) -> List[torch.Tensor]:
