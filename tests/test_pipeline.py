@@ -23,7 +23,7 @@ TP, CHUNKS = 2, 3
 WEIGHT_TOL = 1e-6
 
 
-def _weights(layer, k, t):
+def _weights(layer):
     """Identical global weights (and a non-trivial γ) for every build of a kind."""
     from megatron_boost.testing.layers import global_shapes, load_global_weights
 
@@ -44,7 +44,7 @@ def _run(kind, chunks, group, k, dtype=torch.float32, recompute=False):
     layer = build_layer(kind, "boost", make_config(TP, "boost", "silu",
                                                    4 if kind == "qkv_gqa" else HEADS,
                                                    dtype, chunks), group)
-    _weights(layer, k, TP)
+    _weights(layer)
     g = torch.Generator().manual_seed(11 + k)
     x = torch.randn(S, B, {"proj": HEADS * HN, "fc2": FFN}.get(kind, D) // TP,
                     generator=g).to(dtype).requires_grad_(True)

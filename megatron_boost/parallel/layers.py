@@ -57,6 +57,7 @@ from megatron_boost.parallel.mappings import (
 )
 from megatron_boost.parallel.online_rmsnorm import autograd_activation_grad, fold_norm_weight
 from megatron_boost.parallel.pipeline import PipelinePlan, pipelined_bottleneck
+from megatron_boost.parallel.wgrad import accumulation_target, column_parallel_a, row_parallel_b
 from megatron_boost.parallel.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
 
 __all__ = [
@@ -336,13 +337,15 @@ class BoostBottleneckGroup(BottleneckGroup):
         # all-reduce of the partial products; fwd AR(Σr (+1)), bwd identity (then the GEMMs'
         # backward). Low-rank activation checkpointing serves both from its log, through the
         # mappings (docs/design.md §7).
-        products, sumsq = (reduce_products(x_in, w, self.tp_group, with_statistic=True)
-                           if with_statistic else (reduce_products(x_in, w, self.tp_group), None))
+        fuse = self.config.bottleneck_grad_accumulation_fusion
+        products, sumsq = (reduce_products(x_in, w, self.tp_group, True, fuse)
+                           if with_statistic
+                           else (reduce_products(x_in, w, self.tp_group, False, fuse), None))
         # scale and σ, then the B factors; bwd: AR(Σr) of dz, overlapped with dB.
         return self.outputs(bottleneck_up(
             products, sumsq, self.B, self._b_rows, [p.rank for p in self.projections],
             self.tp_group, self._activation, self.config.overlap_bottleneck_grad_reduce,
-            batched=self.batched_up))
+            batched=self.batched_up, fuse_wgrad=fuse))
 
     def _a_side(self, x: torch.Tensor):
         """(input, factor, whether the statistic is gathered) of the group's A GEMM. With the
@@ -353,7 +356,9 @@ class BoostBottleneckGroup(BottleneckGroup):
             return x, self.A, False
         if self.tp_size == 1:
             return F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), self.A, False
-        return x, fold_norm_weight(self.A, self.layer_norm_weight), True  # [Σr, d/t]
+        folded = fold_norm_weight(self.A, self.layer_norm_weight,
+                                  self.config.bottleneck_grad_accumulation_fusion)
+        return x, folded, True  # [Σr, d/t]
 
     def _plan(self, with_statistic: bool) -> PipelinePlan:
         """``parallel.bottleneck_overlap_chunks`` > 1: the group's pipeline
@@ -364,7 +369,8 @@ class BoostBottleneckGroup(BottleneckGroup):
             group=self.tp_group, chunks=self.config.bottleneck_overlap_chunks,
             rows=tuple(self._b_rows), ranks=tuple(ranks), activation=self._activation,
             with_statistic=with_statistic,
-            overlap_backward=self.config.overlap_bottleneck_grad_reduce, shared_output=shared)
+            overlap_backward=self.config.overlap_bottleneck_grad_reduce, shared_output=shared,
+            fuse_wgrad=self.config.bottleneck_grad_accumulation_fusion)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
@@ -377,22 +383,42 @@ class NaiveBottleneckGroup(BottleneckGroup):
 
     def forward(self, x: torch.Tensor):
         h = self.activation(self._column_parallel_a(x))  # [s, b, Σr/t]
-        ranks = [p.rank // self.tp_size for p in self.projections]
-        outs = split_project(h, self.factors("B"), ranks)
         # [s, b, Σ d_out], partial over ranks until the all-reduce (contiguous: a fresh GEMM or
         # concatenation output, as megatron's in-place all-reduce requires); one collective for
         # the group, so its projections are laid side by side first
-        out = reduce_forward(outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1),
+        out = reduce_forward(self._row_parallel_b(h),
                              self.tp_group)  # fwd: AR(Σ d_out); bwd: identity
-        if len(outs) == 1:
+        if len(self.projections) == 1:
             return out
         return self.outputs(out.split([p.out_size for p in self.projections], dim=-1))
+
+    def _main_grad(self, which: str, dtype) -> Optional[torch.Tensor]:
+        """The factor's main_grad when its weight-gradient GEMM accumulates into it
+        (``parallel/wgrad.py``), else None."""
+        return accumulation_target(getattr(self, which),
+                                   self.config.bottleneck_grad_accumulation_fusion, dtype)
+
+    def _row_parallel_b(self, h: torch.Tensor) -> torch.Tensor:
+        """The projections' B GEMMs side by side, [s, b, Σ d_out]: each writing its columns of
+        one buffer, dB accumulated in B's main_grad, with the fusion; else one GEMM per
+        projection and their concatenation."""
+        ranks = [p.rank // self.tp_size for p in self.projections]
+        main_grad = self._main_grad("B", h.dtype)
+        if main_grad is not None:
+            return row_parallel_b(h, self.B, main_grad, self._b_rows, ranks)
+        outs = split_project(h, self.factors("B"), ranks)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def _column_parallel_a(self, x: torch.Tensor) -> torch.Tensor:
         """x · A_local^T on the replicated input: megatron's column-parallel linear. bwd:
         AR(d_in) of dx, overlapped with the dA GEMM when ``overlap_bottleneck_grad_reduce``,
-        else issued first as in the plain autograd graph."""
+        else issued first as in the plain autograd graph; with the gradient accumulation
+        fusion, dA accumulates in A's main_grad (``parallel/wgrad.py``)."""
         a = self.A  # [Σr/t, d_in]
+        main_grad = self._main_grad("A", x.dtype)
+        if main_grad is not None:
+            return column_parallel_a(x, a, main_grad, self.tp_group,
+                                     self.config.overlap_bottleneck_grad_reduce)
         if not self.config.overlap_bottleneck_grad_reduce:
             return torch.matmul(copy_to_tensor_model_parallel_region(x, group=self.tp_group),
                                 a.t())

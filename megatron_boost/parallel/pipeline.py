@@ -30,13 +30,14 @@ replays it and runs only σ and the B GEMMs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from megatron.core.utils import get_pg_size
 
 from megatron_boost.parallel.online_rmsnorm import statistic_rides_with_products, sum_of_squares
 from megatron_boost.parallel.recompute import active_log
+from megatron_boost.parallel.wgrad import accumulation_target, dummy_gradient, gemm_into
 
 __all__ = ["PipelinePlan", "row_blocks", "pipelined_bottleneck"]
 
@@ -71,6 +72,8 @@ class PipelinePlan:
     """``overlap_bottleneck_grad_reduce``: dz's all-reduce asynchronous."""
     shared_output: bool
     """The projections' outputs in one buffer (equal shapes; fc1, as its batched GEMM)."""
+    fuse_wgrad: bool = False
+    """dW and dB accumulate in the factors' main_grad (``parallel/wgrad.py``)."""
 
     def reduces(self) -> bool:
         return get_pg_size(self.group) > 1
@@ -171,6 +174,8 @@ class _PipelinedBottleneck(torch.autograd.Function):
             if plan.with_statistic and not statistic_rides_with_products(x.dtype):
                 log.record(sumsq)
         ctx.plan, ctx.blocks = plan, blocks
+        ctx.main_grads = (accumulation_target(w, plan.fuse_wgrad, x.dtype),
+                          accumulation_target(b, plan.fuse_wgrad, x.dtype))
         ctx.save_for_backward(x, w, b, out, sumsq, *zs)
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)  # [s, b, out_p/t] each
 
@@ -183,7 +188,10 @@ class _PipelinedBottleneck(torch.autograd.Function):
         grads = [g.reshape(-1, g.shape[-1]) if g is not None else b.new_zeros(rows, n)
                  for g, n in zip(grads, plan.rows)]
         dx, dw, db = _backward_blocks(x.reshape(-1, x.shape[-1]), w, b, out, sumsq, zs,
-                                      grads, ctx.blocks, plan)
+                                      grads, ctx.blocks, plan, ctx.main_grads)
+        # a factor whose gradient went into its main_grad returns the dummy (parallel/wgrad.py)
+        dw, db = [dummy_gradient(p) if mg is not None else d
+                  for p, mg, d in zip((w, b), ctx.main_grads, (dw, db))]
         return dx.view(x.shape), dw, db, None
 
 
@@ -210,15 +218,7 @@ def _db_block(grads, z, db, block: Block, plan: PipelinePlan, accumulate: bool) 
     accumulated in the GEMM after the first block."""
     first, end = block
     for g, d, (c0, c1) in zip(grads, db.split(list(plan.rows), dim=0), plan.columns()):
-        _gemm_into(d, g[first:end].t(), z[:, c0:c1], accumulate)
-
-
-def _gemm_into(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """dst = a·b, or dst += a·b in the same GEMM (beta = 1)."""
-    if accumulate:
-        dst.addmm_(a, b)
-    else:
-        torch.mm(a, b, out=dst)
+        gemm_into(d, g[first:end].t(), z[:, c0:c1], accumulate)
 
 
 def _a_backward_block(x2d, w, out, sumsq, dz, dx, dw, block: Block, plan: PipelinePlan,
@@ -232,26 +232,30 @@ def _a_backward_block(x2d, w, out, sumsq, dz, dx, dw, block: Block, plan: Pipeli
     torch.mm(d_products, w, out=dx[first:end])
     if d_sumsq is not None:
         dx[first:end].addcmul_(x2d[first:end], d_sumsq, value=2.0)
-    _gemm_into(dw, d_products.t(), x2d[first:end], accumulate)
+    gemm_into(dw, d_products.t(), x2d[first:end], accumulate)
 
 
 def _backward_blocks(x2d, w, b, out, sumsq, zs, grads, blocks: List[Block],
-                     plan: PipelinePlan):
-    """The backward pipeline (module docstring). Returns (dx, dW, dB), dx [s·b, d_in/t]."""
+                     plan: PipelinePlan, main_grads):
+    """The backward pipeline (module docstring). Returns (dx, dW, dB), dx [s·b, d_in/t]; dW and
+    dB are the factors' main_grad, accumulated into from the first block, where
+    ``main_grads`` names them (else fresh, accumulated into after the first block)."""
     dz = x2d.new_empty(x2d.shape[0], w.shape[0])  # [s·b, Σr], partial until reduced
-    dx, dw, db = torch.empty_like(x2d), torch.empty_like(w), torch.empty_like(b)
+    dx = torch.empty_like(x2d)
+    dw, db = [mg if mg is not None else torch.empty_like(p) for p, mg in zip((w, b), main_grads)]
+    into_w, into_b = (mg is not None for mg in main_grads)
     pending = None
     for i, block in enumerate(blocks + [None]):
         handle = None
         if block is not None:
             _dz_block(grads, b, dz, block, plan)
             handle = _all_reduce(dz[block[0]:block[1]], plan, async_op=plan.overlap_backward)
-            _db_block(grads, zs[i], db, block, plan, accumulate=i > 0)
+            _db_block(grads, zs[i], db, block, plan, accumulate=into_b or i > 0)
         if pending is not None:
             if pending[1] is not None and plan.overlap_backward:
                 pending[1].wait()
             _a_backward_block(x2d, w, out, sumsq, dz, dx, dw, pending[0], plan,
-                              accumulate=i > 1)
+                              accumulate=into_w or i > 1)
         pending = None if block is None else (block, handle)
     return dx, dw, db
 
