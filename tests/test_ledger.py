@@ -129,7 +129,7 @@ def test_an_fp32_bottleneck_kept_for_backward_is_listed(monkeypatch):
     from megatron_boost.parallel import layers, mappings, online_rmsnorm
 
     def autograd_up(products, sumsq, b, rows, ranks, group, activation, overlap=True,
-                    batched=False):
+                    batched=False, fuse_wgrad=False):
         z = activation.act(products)
         if sumsq is not None:
             inv = online_rmsnorm.inverse_rms(sumsq, activation.hidden_size, activation.eps)

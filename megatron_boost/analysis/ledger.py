@@ -11,7 +11,7 @@ exactly, in seconds and without allocating it: nothing is scaled. The layer runs
 RoPE as the GPT model applies it, and backward, under a ``TorchDispatchMode`` that sees every
 ATen operator autograd issues; each is one entry (:class:`Kernel`) of a class:
 
-* ``gemm``: mm, bmm, addmm, baddbmm (FLOPs 2·M·N·K);
+* ``gemm``: mm, bmm, addmm, baddbmm, and their in-place forms (FLOPs 2·M·N·K);
 * ``attention``: the attention core's kernels (SDPA's, flash);
 * ``elementwise``: pointwise and reduction kernels, memsets included;
 * ``cast``: dtype conversions;

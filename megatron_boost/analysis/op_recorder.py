@@ -46,7 +46,8 @@ class Kernel:
 # classification
 # ---------------------------------------------------------------------------------------------
 
-_GEMMS = {"mm", "bmm", "addmm", "addmm_", "baddbmm", "addbmm"}
+# in-place forms: a GEMM accumulating into its output (beta = 1)
+_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "addmm_", "baddbmm_", "addbmm_"}
 _NOT_KERNELS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                 "detach", "alias", "lift_fresh", "lift_fresh_copy", "_unsafe_view",
                 "_reshape_alias", "view", "resize_", "set_", "_local_scalar_dense"}
@@ -105,7 +106,7 @@ def _gemm_flops(func, args) -> float:
     a, b = mats[-2], mats[-1]
     batch = a.shape[0] if a.dim() == 3 else 1
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    if name == "addbmm":
+    if name in ("addbmm", "addbmm_"):
         batch = a.shape[0]
     return 2.0 * batch * m * n * k
 

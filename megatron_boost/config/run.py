@@ -136,10 +136,11 @@ class ParallelConfig:
     GEMMs proceed (docs/design.md §7); false runs them one after the other. Gradients are
     bitwise identical either way."""
     bottleneck_overlap_chunks: int = 1
-    """boost: split each bottleneck group's forward into this many chunks of the sequence, so
-    that the all-reduce of one chunk's products runs while the next chunk's A GEMM computes
-    (docs/design.md §7); 1 issues one GEMM and one all-reduce. The same results either way;
-    the all-reduces per layer multiply by it, their bytes do not. naive and full refuse > 1."""
+    """boost: run each bottleneck group as one pipeline over this many blocks of the sequence,
+    so that a block's all-reduce, forward and backward, travels beside the neighbouring blocks'
+    GEMMs (docs/design.md §7); 1 issues one GEMM and one all-reduce. Outputs the same either
+    way, weight gradients to fp32 rounding; the all-reduces per layer multiply by it, their
+    bytes do not, and so do the groups' kernels. naive and full refuse > 1."""
     timeout_minutes: float = 30.0
     """Process-group timeout: a collective that waits longer (a rank died or stopped
     responding) ends the job with an error naming the unresponsive rank. Fractions allowed

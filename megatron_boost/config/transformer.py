@@ -122,14 +122,21 @@ class BoostTransformerConfig(TransformerConfig):
     """Initialise both bottleneck factors with CoLA's randn · r^(-1/4) · (d_in + d_out)^(-1/4).
     False: Megatron's init_method for A and output_layer_init_method for B."""
 
+    bottleneck_grad_accumulation_fusion: bool = True
+    """megatron's ``gradient_accumulation_fusion`` contract for the bottleneck factors: their
+    weight-gradient GEMMs accumulate into the ``main_grad`` megatron's DDP gives them and set
+    ``grad_added_to_main_grad``, so DDP's hook adds nothing (``parallel/wgrad.py``; where torch
+    has no GEMM from the operands' dtype into main_grad's, the gradient goes through the hook).
+    megatron's own ``gradient_accumulation_fusion`` (its linears, apex's kernel) is apart."""
     overlap_bottleneck_grad_reduce: bool = True
     """Overlap the backward all-reduce of each input gradient with the weight-gradient GEMMs
     (boost: dz of the B factors, Σr wide; naive: dx of the A factors, megatron's async
     column-parallel reduction). Gradients are identical either way."""
 
     bottleneck_overlap_chunks: int = 1
-    """boost: chunks of the sequence whose A GEMM and products all-reduce pipeline in each
-    bottleneck group's forward (``parallel.bottleneck_overlap_chunks``); 1: one of each."""
+    """boost: blocks of the sequence over which each bottleneck group runs as one pipeline of
+    GEMMs and all-reduces, forward and backward (``parallel.bottleneck_overlap_chunks``,
+    ``parallel/pipeline.py``); 1: one of each."""
 
     lowrank_recompute: bool = False
     """Low-rank activation checkpointing (BOOST): per layer keep only the hidden-sharded input,

@@ -56,6 +56,8 @@ from megatron_boost.parallel.mappings import (
     split_project,
 )
 from megatron_boost.parallel.online_rmsnorm import autograd_activation_grad, fold_norm_weight
+from megatron_boost.parallel.pipeline import PipelinePlan, pipelined_bottleneck
+from megatron_boost.parallel.wgrad import accumulation_target, column_parallel_a, row_parallel_b
 from megatron_boost.parallel.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
 
 __all__ = [
@@ -327,30 +329,48 @@ class BoostBottleneckGroup(BottleneckGroup):
             identity=is_identity(name), hidden_size=input_size, eps=self.eps)
 
     def forward(self, x: torch.Tensor):
+        x_in, w, with_statistic = self._a_side(x)
+        if self.config.bottleneck_overlap_chunks > 1:  # one pipeline over blocks of tokens
+            return self.outputs(pipelined_bottleneck(x_in, w, self.B, self._plan(with_statistic)))
         # [s, b, Σr] and the fp32 [s, b, 1] sum of squares (None unless the fused norm
-        # gathers it), complete on every rank
-        products, sumsq = self._reduced_products(x)
+        # gathers it), complete on every rank: ONE GEMM for the group's A factors and ONE
+        # all-reduce of the partial products; fwd AR(Σr (+1)), bwd identity (then the GEMMs'
+        # backward). Low-rank activation checkpointing serves both from its log, through the
+        # mappings (docs/design.md §7).
+        fuse = self.config.bottleneck_grad_accumulation_fusion
+        products, sumsq = (reduce_products(x_in, w, self.tp_group, True, fuse)
+                           if with_statistic
+                           else (reduce_products(x_in, w, self.tp_group, False, fuse), None))
         # scale and σ, then the B factors; bwd: AR(Σr) of dz, overlapped with dB.
         return self.outputs(bottleneck_up(
             products, sumsq, self.B, self._b_rows, [p.rank for p in self.projections],
             self.tp_group, self._activation, self.config.overlap_bottleneck_grad_reduce,
-            batched=self.batched_up))
+            batched=self.batched_up, fuse_wgrad=fuse))
 
-    def _reduced_products(self, x: torch.Tensor):
-        """ONE GEMM for the group's A factors and ONE all-reduce of the partial products
-        (``reduce_products``); fwd AR(Σr), bwd identity (then the GEMMs' backward). With the
+    def _a_side(self, x: torch.Tensor):
+        """(input, factor, whether the statistic is gathered) of the group's A GEMM. With the
         fused norm at t > 1, A is scaled by γ (weight-sized) and online-RMSNorm's fp32
-        statistic rides with the products (``parallel/online_rmsnorm.py``). Returns
-        (products, statistic or None). Low-rank activation checkpointing serves both from its
-        log, through the mappings (docs/design.md §7)."""
-        chunks = self.config.bottleneck_overlap_chunks
+        statistic rides with the products (``parallel/online_rmsnorm.py``); at t = 1 the whole
+        hidden vector is here: a plain fused RMSNorm in front of the GEMM."""
         if not self.fuse_norm:
-            return reduce_products(x, self.A, self.tp_group, chunks=chunks), None
-        if self.tp_size == 1:  # the whole hidden vector is here: a plain fused RMSNorm
-            normed = F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps)
-            return reduce_products(normed, self.A, self.tp_group, chunks=chunks), None
-        folded = fold_norm_weight(self.A, self.layer_norm_weight)  # [Σr, d/t]
-        return reduce_products(x, folded, self.tp_group, with_statistic=True, chunks=chunks)
+            return x, self.A, False
+        if self.tp_size == 1:
+            return F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), self.A, False
+        folded = fold_norm_weight(self.A, self.layer_norm_weight,
+                                  self.config.bottleneck_grad_accumulation_fusion)
+        return x, folded, True  # [Σr, d/t]
+
+    def _plan(self, with_statistic: bool) -> PipelinePlan:
+        """``parallel.bottleneck_overlap_chunks`` > 1: the group's pipeline
+        (``parallel/pipeline.py``)."""
+        ranks = [p.rank for p in self.projections]
+        shared = self.batched_up and len(set(self._b_rows)) == 1 and len(set(ranks)) == 1
+        return PipelinePlan(
+            group=self.tp_group, chunks=self.config.bottleneck_overlap_chunks,
+            rows=tuple(self._b_rows), ranks=tuple(ranks), activation=self._activation,
+            with_statistic=with_statistic,
+            overlap_backward=self.config.overlap_bottleneck_grad_reduce, shared_output=shared,
+            fuse_wgrad=self.config.bottleneck_grad_accumulation_fusion)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
@@ -363,22 +383,42 @@ class NaiveBottleneckGroup(BottleneckGroup):
 
     def forward(self, x: torch.Tensor):
         h = self.activation(self._column_parallel_a(x))  # [s, b, Σr/t]
-        ranks = [p.rank // self.tp_size for p in self.projections]
-        outs = split_project(h, self.factors("B"), ranks)
         # [s, b, Σ d_out], partial over ranks until the all-reduce (contiguous: a fresh GEMM or
         # concatenation output, as megatron's in-place all-reduce requires); one collective for
         # the group, so its projections are laid side by side first
-        out = reduce_forward(outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1),
+        out = reduce_forward(self._row_parallel_b(h),
                              self.tp_group)  # fwd: AR(Σ d_out); bwd: identity
-        if len(outs) == 1:
+        if len(self.projections) == 1:
             return out
         return self.outputs(out.split([p.out_size for p in self.projections], dim=-1))
+
+    def _main_grad(self, which: str, dtype) -> Optional[torch.Tensor]:
+        """The factor's main_grad when its weight-gradient GEMM accumulates into it
+        (``parallel/wgrad.py``), else None."""
+        return accumulation_target(getattr(self, which),
+                                   self.config.bottleneck_grad_accumulation_fusion, dtype)
+
+    def _row_parallel_b(self, h: torch.Tensor) -> torch.Tensor:
+        """The projections' B GEMMs side by side, [s, b, Σ d_out]: each writing its columns of
+        one buffer, dB accumulated in B's main_grad, with the fusion; else one GEMM per
+        projection and their concatenation."""
+        ranks = [p.rank // self.tp_size for p in self.projections]
+        main_grad = self._main_grad("B", h.dtype)
+        if main_grad is not None:
+            return row_parallel_b(h, self.B, main_grad, self._b_rows, ranks)
+        outs = split_project(h, self.factors("B"), ranks)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def _column_parallel_a(self, x: torch.Tensor) -> torch.Tensor:
         """x · A_local^T on the replicated input: megatron's column-parallel linear. bwd:
         AR(d_in) of dx, overlapped with the dA GEMM when ``overlap_bottleneck_grad_reduce``,
-        else issued first as in the plain autograd graph."""
+        else issued first as in the plain autograd graph; with the gradient accumulation
+        fusion, dA accumulates in A's main_grad (``parallel/wgrad.py``)."""
         a = self.A  # [Σr/t, d_in]
+        main_grad = self._main_grad("A", x.dtype)
+        if main_grad is not None:
+            return column_parallel_a(x, a, main_grad, self.tp_group,
+                                     self.config.overlap_bottleneck_grad_reduce)
         if not self.config.overlap_bottleneck_grad_reduce:
             return torch.matmul(copy_to_tensor_model_parallel_region(x, group=self.tp_group),
                                 a.t())

@@ -34,7 +34,7 @@ layer's log (``parallel/recompute.py``), so the layers' forward is written once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from megatron.core.tensor_parallel.mappings import (
@@ -48,6 +48,7 @@ from megatron_boost.parallel.online_rmsnorm import (bottleneck_input, bottleneck
                                                    statistic_rides_with_products,
                                                    sum_of_squares)
 from megatron_boost.parallel.recompute import active_log
+from megatron_boost.parallel.wgrad import accumulation_target, dummy_gradient, gemm_into
 
 __all__ = [
     "copy_to_tensor_model_parallel_region",
@@ -77,33 +78,12 @@ def reduce_forward(x: torch.Tensor, group) -> torch.Tensor:
     return all_reduce(x) if log is None else log.reduce(x, all_reduce)
 
 
-def _row_chunks(rows_per_position: int, positions: int, chunks: int) -> List[Tuple[int, int]]:
-    """(first row, end row) of each of ``chunks`` blocks of whole sequence positions of a
-    token-major [s·b, ·] matrix: contiguous row blocks, as equal as s allows."""
-    bounds = [round(i * positions / chunks) for i in range(chunks + 1)]
-    return [(a * rows_per_position, b * rows_per_position)
-            for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def _gemm_all_reduce(x2d: torch.Tensor, w: torch.Tensor, out2d: torch.Tensor, group,
-                     blocks: List[Tuple[int, int]]) -> None:
-    """out2d[:, :n] = x2d · Wᵀ and out2d all-reduced over ``group`` in place, block of rows by
-    block: each block's all-reduce is started as soon as its GEMM is done, so it travels while
-    the next block's GEMM computes (one block: one GEMM, then one all-reduce)."""
-    n = w.shape[0]
-    if len(blocks) == 1:
-        torch.mm(x2d, w.t(), out=out2d[:, :n])
-        if get_pg_size(group) > 1:
-            torch.distributed.all_reduce(out2d, group=group)
-        return
-    handles = []
-    for first, end in blocks:
-        torch.mm(x2d[first:end], w.t(), out=out2d[first:end, :n])
-        if get_pg_size(group) > 1:  # a whole-row block: contiguous
-            handles.append(torch.distributed.all_reduce(out2d[first:end], group=group,
-                                                        async_op=True))
-    for handle in handles:
-        handle.wait()
+def _gemm_all_reduce(x2d: torch.Tensor, w: torch.Tensor, out2d: torch.Tensor, group) -> None:
+    """out2d[:, :n] = x2d · Wᵀ, then out2d all-reduced over ``group`` in place (the GEMM writes
+    straight into the buffer the all-reduce reduces)."""
+    torch.mm(x2d, w.t(), out=out2d[:, :w.shape[0]])
+    if get_pg_size(group) > 1:
+        torch.distributed.all_reduce(out2d, group=group)
 
 
 class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
@@ -113,8 +93,8 @@ class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
     fwd: the statistic's region; with fp32 products it rides as the last column of the
          products' all-reduce (Σr + 1), with bf16 ones its own fp32 all-reduce is started
          before the GEMM and waited for after it. The GEMM writes straight into the buffer the
-         all-reduce reduces in place; with ``chunks`` > 1, blocks of sequence positions
-         pipeline GEMM and all-reduce. In a low-rank recompute: the recorded results, no GEMM,
+         all-reduce reduces in place (blocks of sequence positions pipelined with σ and the B
+         GEMMs: ``parallel/pipeline.py``). In a low-rank recompute: the recorded results, no GEMM,
          no collective.
     bwd: no communication (the reduction's backward is the identity): dx = dP·W (+ 2·x·dΣx²,
          one kernel), dW = dPᵀ·x.
@@ -122,9 +102,11 @@ class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, group, with_statistic: bool, chunks: int):
+    def forward(ctx, x, w, group, with_statistic: bool, fuse_wgrad: bool):
         ctx.with_statistic = with_statistic
         ctx.save_for_backward(x, w)
+        # dW into W's main_grad (parallel/wgrad.py); the γ-scaled A has none (its fold does it)
+        ctx.main_grad = accumulation_target(w, fuse_wgrad, x.dtype)
         log = active_log() if get_pg_size(group) > 1 else None
         if log is not None and log.replaying:
             return _replayed_products(log, w.shape[0], x.dtype, with_statistic)
@@ -139,8 +121,7 @@ class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
         out2d = out.view(-1, out.shape[-1])
         if with_statistic and rides:
             out[..., n:].copy_(sumsq)  # one value per token: the column rides along
-        _gemm_all_reduce(x2d, w, out2d, group, _row_chunks(x2d.shape[0] // lead[0], lead[0],
-                                                           chunks))
+        _gemm_all_reduce(x2d, w, out2d, group)
         if handle is not None:
             handle.wait()
         if with_statistic and rides:
@@ -159,8 +140,11 @@ class _ProductsAllReduceFwdGemmBwd(torch.autograd.Function):
         dx = torch.mm(g2d, w).view(x.shape)  # [s, b, d_in/t]
         if ctx.with_statistic and d_sumsq is not None:
             dx.addcmul_(x, d_sumsq, value=2.0)  # + d(Σx²)/dx, in the same buffer
-        dw = torch.mm(g2d.t(), x.reshape(-1, x.shape[-1]))  # [Σr, d_in/t]
-        return dx, dw, None, None, None
+        x2d = x.reshape(-1, x.shape[-1])
+        if ctx.main_grad is not None:  # [Σr, d_in/t], accumulated in the GEMM
+            gemm_into(ctx.main_grad, g2d.t(), x2d, accumulate=True)
+            return dx, dummy_gradient(w), None, None, None
+        return dx, torch.mm(g2d.t(), x2d), None, None, None  # dW [Σr, d_in/t]
 
 
 def _replayed_products(log, n: int, dtype, with_statistic: bool):
@@ -174,13 +158,14 @@ def _replayed_products(log, n: int, dtype, with_statistic: bool):
 
 
 def reduce_products(x: torch.Tensor, w: torch.Tensor, group, with_statistic: bool = False,
-                    chunks: int = 1):
+                    fuse_wgrad: bool = False):
     """boost's A side: ONE GEMM of the group's (γ-scaled) A factors on the local shard x
     [s, b, d_in/t] and ONE all-reduce of the partial products (Σr wide; with the statistic
-    Σr + 1, or Σr and an fp32 1 in bf16), pipelined over ``chunks`` blocks of the sequence.
+    Σr + 1, or Σr and an fp32 1 in bf16). ``fuse_wgrad``: dW accumulates in W's main_grad
+    (``parallel/wgrad.py``).
     Returns P [s, b, Σr], or (P, Σx² [s, b, 1]) ``with_statistic``
     (:class:`_ProductsAllReduceFwdGemmBwd`)."""
-    return _ProductsAllReduceFwdGemmBwd.apply(x, w, group, with_statistic, chunks)
+    return _ProductsAllReduceFwdGemmBwd.apply(x, w, group, with_statistic, fuse_wgrad)
 
 
 def split_project(z: torch.Tensor, weights, ranks: Sequence[int]) -> List[torch.Tensor]:
@@ -237,18 +222,19 @@ def _input_gradient(grads, b: torch.Tensor, rows: Sequence[int], ranks: Sequence
 
 
 def _weight_gradient(grads, z: torch.Tensor, b: torch.Tensor, rows: Sequence[int],
-                     ranks: Sequence[int]) -> torch.Tensor:
+                     ranks: Sequence[int], main_grad: Optional[torch.Tensor]) -> torch.Tensor:
     """dB = [g_1ᵀ·z_1; g_2ᵀ·z_2; ...] [Σ out_p, r]: each projection's GEMM writes its rows of
-    the grouped factor's gradient."""
+    the grouped factor's gradient, or adds them to B's ``main_grad`` (then the returned
+    gradient is the dummy of ``parallel/wgrad.py``)."""
     z2d = z.view(-1, z.shape[-1])
-    if len(rows) == 1:
+    if len(rows) == 1 and main_grad is None:
         return torch.mm(grads[0].t(), z2d)
-    db, first_row, first_col = torch.empty_like(b), 0, 0
+    db, first_row, first_col = main_grad if main_grad is not None else torch.empty_like(b), 0, 0
     for g2d, n, r in zip(grads, rows, ranks):
-        torch.mm(g2d.t(), z2d[:, first_col:first_col + r],
-                 out=db[first_row:first_row + n])
+        gemm_into(db[first_row:first_row + n], g2d.t(), z2d[:, first_col:first_col + r],
+                  accumulate=main_grad is not None)
         first_row, first_col = first_row + n, first_col + r
-    return db
+    return db if main_grad is None else dummy_gradient(b)
 
 
 class _UpProjectAllReduceDgrad(torch.autograd.Function):
@@ -265,8 +251,10 @@ class _UpProjectAllReduceDgrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, products, sumsq, b, group, rows, ranks, activation, overlap, batched):
+    def forward(ctx, products, sumsq, b, group, rows, ranks, activation, overlap, batched,
+                fuse_wgrad):
         ctx.group, ctx.rows, ctx.ranks = group, rows, ranks
+        ctx.main_grad = accumulation_target(b, fuse_wgrad, products.dtype)
         ctx.activation, ctx.overlap = activation, overlap
         z = activation.forward(products, sumsq)  # [s, b, Σr]
         ctx.save_for_backward(products, sumsq, z, b)
@@ -282,25 +270,27 @@ class _UpProjectAllReduceDgrad(torch.autograd.Function):
         handle = None
         if get_pg_size(ctx.group) > 1:
             handle = torch.distributed.all_reduce(dz, group=ctx.group, async_op=ctx.overlap)
-        db = _weight_gradient(grads, z, b, ctx.rows, ctx.ranks)  # [Σ out_p/t, r]
+        db = _weight_gradient(grads, z, b, ctx.rows, ctx.ranks, ctx.main_grad)  # [Σ out_p/t, r]
         if handle is not None and ctx.overlap:
             handle.wait()
         d_products, d_sumsq = ctx.activation.backward(products, sumsq, dz)
-        return d_products, d_sumsq, db, None, None, None, None, None, None
+        return d_products, d_sumsq, db, None, None, None, None, None, None, None
 
 
 def bottleneck_up(products: torch.Tensor, sumsq: Optional[torch.Tensor], b: torch.Tensor,
                   rows: Sequence[int], ranks: Sequence[int], group,
                   activation: BottleneckActivation, overlap: bool = True,
-                  batched: bool = False) -> List[torch.Tensor]:
+                  batched: bool = False, fuse_wgrad: bool = False) -> List[torch.Tensor]:
     """boost's B side on the reduced products P [s, b, Σr] (and the statistic, with the fused
     norm): [s, b, out_p/t] per projection, from the grouped B factor [Σ out_p/t, r].
     fwd: no communication; bwd: all-reduce of dz (Σr), overlapped with the dB GEMMs when
     ``overlap`` (:class:`_UpProjectAllReduceDgrad`). ``batched``: one batched GEMM for
     projections of equal shapes, whose outputs then share one buffer (worth it only when the
-    consumer keeps every output alive: a buffer lives as long as any view of it)."""
+    consumer keeps every output alive: a buffer lives as long as any view of it).
+    ``fuse_wgrad``: dB accumulates in B's main_grad (``parallel/wgrad.py``)."""
     return list(_UpProjectAllReduceDgrad.apply(products, sumsq, b, group, list(rows),
-                                               list(ranks), activation, overlap, batched))
+                                               list(ranks), activation, overlap, batched,
+                                               fuse_wgrad))
 
 
 class _ReduceScatterLastDimFwdAllGatherBwd(torch.autograd.Function):

@@ -64,28 +64,44 @@ def _scaled_weight(a: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
 def _scaled_weight_backward(grad: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     # d(A ⊙ γ)/dA = γ, d/dγ = Σ_rows A (fp32 accumulation, as torch's sum of a bf16 tensor)
-    return grad * gamma, (grad.float() * a.float()).sum(dim=0).to(gamma.dtype)
+    return grad * gamma, _norm_weight_gradient.eager(grad, a, gamma)
+
+
+@fused_region
+def _norm_weight_gradient(grad: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor
+                          ) -> torch.Tensor:
+    """dγ = Σ_rows dW ⊙ A alone (when dA goes straight into A's main_grad)."""
+    return (grad.float() * a.float()).sum(dim=0).to(gamma.dtype)
 
 
 class _FoldNormWeight(torch.autograd.Function):
     """W = A ⊙ γ: the norm's weight folded into the A factor ([Σr, d/t], weight-sized).
-    fwd: one kernel; bwd: dA = dW ⊙ γ and dγ = Σ_rows dW ⊙ A in one kernel."""
+    fwd: one kernel; bwd: dA = dW ⊙ γ and dγ = Σ_rows dW ⊙ A in one kernel, or, with the
+    gradient accumulation fusion (``parallel/wgrad.py``), A.main_grad += dW ⊙ γ in place (no
+    dA tensor, nothing for DDP's hook to add) and dγ apart."""
 
     @staticmethod
-    def forward(ctx, a, gamma):
+    def forward(ctx, a, gamma, fuse_wgrad: bool):
         ctx.save_for_backward(a, gamma)
+        ctx.main_grad = getattr(a, "main_grad", None) if fuse_wgrad else None
         return _scaled_weight(a, gamma)
 
     @staticmethod
     def backward(ctx, grad):
+        from megatron_boost.parallel.wgrad import dummy_gradient
+
         a, gamma = ctx.saved_tensors
-        return _scaled_weight_backward(grad, a, gamma)
+        if ctx.main_grad is None:
+            return (*_scaled_weight_backward(grad, a, gamma), None)
+        ctx.main_grad.addcmul_(grad, gamma)
+        return dummy_gradient(a), _norm_weight_gradient(grad, a, gamma), None
 
 
-def fold_norm_weight(a: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+def fold_norm_weight(a: torch.Tensor, gamma: torch.Tensor, fuse_wgrad: bool = False
+                     ) -> torch.Tensor:
     """A ⊙ γ ([Σr, d/t]): the GEMM of x with it equals A·(γ ⊙ x), without the token-sized
-    γ ⊙ x (docs/design.md §3)."""
-    return _FoldNormWeight.apply(a, gamma)
+    γ ⊙ x (docs/design.md §3). ``fuse_wgrad``: dA accumulates in A's main_grad."""
+    return _FoldNormWeight.apply(a, gamma, fuse_wgrad)
 
 
 @fused_region

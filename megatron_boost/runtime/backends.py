@@ -123,9 +123,8 @@ def resolve_fusions(device: str, attention_backend: str, kernels: FusedKernels,
 
     * ``gradient_accumulation_fusion``: megatron's column/row-parallel linears (the output
       layer in every mode, TE's linears in its layer spec) need apex's wgrad kernel on CUDA.
-      The bottleneck factors are not among them: their gradients come from the bottleneck
-      layers' own GEMMs (fused over factors, ``parallel/mappings.py``) and reach ``main_grad``
-      through megatron's DDP hook;
+      The bottleneck factors are not among them: their weight-gradient GEMMs accumulate into
+      ``main_grad`` themselves (``bottleneck_grad_accumulation_fusion``, ``parallel/wgrad.py``);
     * ``apply_rope_fusion``: megatron's fused RoPE is Transformer Engine's kernel (CUDA);
     * ``masked_softmax_fusion``: only megatron's own attention (``local``) has a separate
       softmax to fuse, with megatron's CUDA kernel; SDPA and TE fuse it inside their kernels;
