@@ -25,7 +25,7 @@ def _measured(mode):
 
 
 def _local_params(mode):
-    """(count, elements) of one layer's parameters on one rank, as the ledger builds it."""
+    """{name: elements} of one layer's parameters on one rank, as the ledger builds it."""
     from megatron_boost.analysis import ledger as ledger_module
     from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found, use_cpu
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -38,20 +38,27 @@ def _local_params(mode):
 
             with cuda_kernel_models():
                 layer = ledger_module._build(spec)[0]
-            params = [p for p in layer.parameters() if p.requires_grad]
-            return len(params), sum(p.numel() for p in params)
+            return {name: p.numel() for name, p in layer.named_parameters() if p.requires_grad}
+
+
+def _is_factor(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ("A", "B")
 
 
 @pytest.mark.parametrize("mode", ["boost", "naive"])
-def test_the_bottleneck_factors_gradients_go_through_ddps_hook(mode):
-    """Today the bottleneck layers' GEMMs write a gradient, which DDP's hook adds into the
-    fp32 main_grad: one kernel per parameter reading main_grad and the bf16 gradient and
-    writing main_grad."""
+def test_the_bottleneck_factors_accumulate_in_their_gemms(mode):
+    """The bottleneck factors keep megatron's gradient_accumulation_fusion contract
+    (parallel/wgrad.py): their weight-gradient GEMMs add into main_grad and set
+    grad_added_to_main_grad, so DDP's hook adds only the other parameters (the norms'
+    weights): one kernel each, reading main_grad and the bf16 gradient, writing main_grad.
+    Fails when a factor's gradient goes through the hook again (4 factors more per group)."""
     ledger = _measured(mode)
-    count, elements = _local_params(mode)
+    params = _local_params(mode)
+    others = {n: e for n, e in params.items() if not _is_factor(n)}
+    assert len(others) < len(params)  # the layer has factors
     adds = ledger.ddp_accumulation()
-    assert len(adds) == count
-    assert sum(k.bytes for k in adds) == elements * (4 + 2 + 4)
+    assert len(adds) == len(others)
+    assert sum(k.bytes for k in adds) == sum(others.values()) * (4 + 2 + 4)
     assert all(k.phase == "bwd" and k.kind == "elementwise" for k in adds)
 
 

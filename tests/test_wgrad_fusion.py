@@ -126,3 +126,22 @@ def test_the_accumulation_falls_back_where_torch_has_no_gemm_for_it():
     a, b = torch.randn(3, 5), torch.randn(5, 4)
     gemm_into(param.main_grad, a, b, accumulate=True)
     assert torch.allclose(param.main_grad, 1 + a @ b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_fake_tensor_mode_does_not_decide_the_device_probe():
+    """The op ledger runs the layers under a fake-tensor mode, which accepts any call: the
+    mixed-dtype GEMM probe made there must still ask the device, or a later real bf16 run on
+    the CPU would be told the GEMM exists (the answer is cached) and fail in backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron_boost.parallel import wgrad
+
+    wgrad._probe.cache_clear()
+    try:
+        with FakeTensorMode():
+            wgrad._mixed_dtype_addmm("cpu", torch.bfloat16, torch.float32)
+        assert wgrad._mixed_dtype_addmm("cpu", torch.bfloat16, torch.float32) is False
+        with wgrad.mixed_dtype_gemm_assumed(True):  # the ledger's CUDA model says
+            assert wgrad._mixed_dtype_addmm("cpu", torch.bfloat16, torch.float32) is True
+    finally:
+        wgrad._probe.cache_clear()

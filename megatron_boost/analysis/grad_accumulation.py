@@ -50,6 +50,7 @@ def ddp_grad_accumulation(layer, scopes) -> Iterator[None]:
     handles, versions = [], {}
     for p in params:
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.main_grad.gradient_accumulator = True  # the recorder tags the kernels writing it
         p.grad_added_to_main_grad = False
         versions[p] = p.main_grad._version
         handles.append(p.register_post_accumulate_grad_hook(hook))

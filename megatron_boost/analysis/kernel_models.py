@@ -237,6 +237,7 @@ def cuda_kernel_models() -> Iterator[None]:
     from megatron.core.models.common.embeddings import rope_utils
 
     from megatron_boost.parallel.fusion import observed_call
+    from megatron_boost.parallel.wgrad import mixed_dtype_gemm_assumed
 
     def eager(fn):  # megatron's jit_fuser'd functions: the function it compiled
         return getattr(fn, "_torchdynamo_orig_callable", None) or getattr(fn, "__wrapped__", fn)
@@ -266,7 +267,9 @@ def cuda_kernel_models() -> Iterator[None]:
     try:
         for owner, name, fn in replaced:
             setattr(owner, name, fn)
-        yield
+        # CUDA builds have the bf16 -> fp32 weight-gradient GEMM the CPU lacks (parallel/wgrad.py)
+        with mixed_dtype_gemm_assumed(True):
+            yield
     finally:
         for owner, name, fn in saved:
             if fn is absent:

@@ -158,6 +158,11 @@ class LayerLedger:
 
         return [k for k in self.kernels if k.scope == DDP_SCOPE]
 
+    def grad_accumulation(self) -> List[Kernel]:
+        """Every kernel adding a weight gradient into ``main_grad`` outside a GEMM: DDP's
+        hook's, and a layer's own in-place adds (the fused norm's γ-scaled A factors)."""
+        return [k for k in self.kernels if k.accumulates and k.kind != "gemm"]
+
     def gemm_flops(self, phase=None) -> float:
         return sum(k.flops for k in self.select(phase, "gemm"))
 

@@ -32,6 +32,9 @@ class Kernel:
     dtype: str = ""
     eager_bytes: int = 0
     """Bytes the CPU's eager kernels of a fused region move (0 for a single kernel)."""
+    accumulates: bool = False
+    """It adds a weight gradient into a parameter's ``main_grad`` (DDP's hook, or a layer's own
+    in-place accumulation: ``analysis/grad_accumulation.py``)."""
     deps: Tuple[int, ...] = ()
     """The collectives (their indices in the ledger's kernels) whose result it reads: on a GPU
     it cannot start before they end, waited for or not."""
@@ -98,6 +101,12 @@ def _kind(func, args, out) -> Optional[str]:
     if name in ("add", "sub") and len(args) > 1 and _is_zero(args[1]):
         return "copy"  # x + 0: a copy of x
     return "elementwise"
+
+
+def _is_accumulator(t) -> bool:
+    """``t`` is a parameter's ``main_grad``, or a view of one."""
+    return getattr(t, "gradient_accumulator", False) or \
+        getattr(getattr(t, "_base", None), "gradient_accumulator", False)
 
 
 def _gemm_flops(func, args) -> float:
@@ -248,6 +257,7 @@ def recorder_class():
                           flops=_gemm_flops(func, args) if kind == "gemm" else 0.0,
                           shapes=tuple(tuple(t.shape) for t in _tensors(args)[:3]),
                           dtype=str(outs[0].dtype).replace("torch.", "") if outs else "",
+                          accumulates=any(_is_accumulator(t) for t in writes),
                           deps=() if kind == "collective" else self._deps(reads))
 
         def _add(self, kernel: Kernel) -> None:

@@ -20,26 +20,51 @@ grads on the CPU), the gradient is returned as usual and megatron's hook adds it
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["accumulation_target", "gemm_into", "dummy_gradient", "column_parallel_a",
+__all__ = ["accumulation_target", "mixed_dtype_gemm_assumed", "gemm_into", "dummy_gradient", "column_parallel_a",
            "row_parallel_b"]
 
 
-@functools.lru_cache(maxsize=None)
+#: The answer of :func:`_mixed_dtype_addmm` while :func:`mixed_dtype_gemm_assumed` holds one.
+_ASSUMED: Optional[bool] = None
+
+
+@contextlib.contextmanager
+def mixed_dtype_gemm_assumed(answer: bool) -> Iterator[None]:
+    """While it holds, the mixed-dtype GEMM is taken to exist (or not) without asking the
+    device: the op ledger models a CUDA layer on the CPU (``analysis/kernel_models.py``)."""
+    global _ASSUMED
+    saved, _ASSUMED = _ASSUMED, answer
+    try:
+        yield
+    finally:
+        _ASSUMED = saved
+
+
 def _mixed_dtype_addmm(device_type: str, operand: torch.dtype, accumulator: torch.dtype) -> bool:
     """Whether torch has an addmm of ``operand`` matrices into an ``accumulator`` output on
-    this device (the ``out_dtype`` overload: CUDA builds; not the CPU's). Asked once per
-    device and dtypes, by trying it: an unsupported call raises; nothing is read back to the
-    host."""
+    this device (the ``out_dtype`` overload: CUDA builds; not the CPU's)."""
+    return _ASSUMED if _ASSUMED is not None else _probe(device_type, operand, accumulator)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(device_type: str, operand: torch.dtype, accumulator: torch.dtype) -> bool:
+    """Asked once per device and dtypes, by trying it on real tensors: an unsupported call
+    raises; nothing is read back to the host. Any active dispatch mode (a fake-tensor mode
+    accepts every call) is set aside, so the cached answer is the device's."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     try:  # any failure (no such overload, kernel or device) means: not here
-        device = torch.device(device_type)
-        c = torch.zeros(1, 1, dtype=accumulator, device=device)
-        a = torch.ones(1, 1, dtype=operand, device=device)
-        torch.addmm(c, a, a, out_dtype=accumulator, out=c)
+        with _disable_current_modes():
+            device = torch.device(device_type)
+            c = torch.zeros(1, 1, dtype=accumulator, device=device)
+            a = torch.ones(1, 1, dtype=operand, device=device)
+            torch.addmm(c, a, a, out_dtype=accumulator, out=c)
     except Exception:  # noqa: BLE001
         return False
     return True
