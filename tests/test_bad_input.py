@@ -613,6 +613,9 @@ CASES = [
     Case("wandb_dir_is_a_file", train("logging.wandb.project=p", "logging.wandb.dir={case}/f"),
          ("logging.wandb.dir", "f", "not a directory"), setup=write("f", "x")),
     # -- one bad input of every entry point (tests/test_entry_points.py finds them) ---------
+    Case("benchmark_json_not_writable",
+         tool("benchmark.py", "--config", DEBUG, "--json", "/proc/mboost.json"),
+         ("--json", "/proc/mboost.json", "cannot create")),
     Case("layer_ops_json_not_writable",
          tool("layer_ops.py", "--config", DEBUG, "--json", "/proc/mboost.json"),
          ("--json", "/proc/mboost.json", "cannot create")),

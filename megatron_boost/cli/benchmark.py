@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_boost.cli.arg_types import bench_mode_list, non_negative_int, positive_int
+from megatron_boost.cli.arg_types import (bench_mode_list, non_negative_int, output_file,
+                                          positive_int)
 import copy
 import gc
 import json
@@ -330,8 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch-size", type=positive_int, default=None)
     parser.add_argument("--seq-length", type=positive_int, default=None)
     parser.add_argument("--seed", type=non_negative_int, default=1234)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--png", default=None)
+    parser.add_argument("--json", type=output_file, default=None,
+                        help="write the figures here (checked before measuring)")
+    parser.add_argument("--png", type=output_file, default=None,
+                        help="plot the step times here (checked before measuring)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=2")
     return parser
 
