@@ -9,21 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_boost.train.checkpoint_guard import (
-    TRACKER_FILE, commit_checkpoint, damaged_checkpoint_hint, iter_dir_name, newest_intact_before,
-    temp_dir_for)
+from megatron_boost.train.checkpoint_guard import (TRACKER_FILE, damaged_checkpoint_hint,
+                                                   iter_dir_name, newest_intact_before)
+
+from tests.test_checkpoint_guard import _save  # a fake committed checkpoint
 
 pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
-
-
-def _save(save_dir: Path, iteration: int) -> Path:
-    final = save_dir / iter_dir_name(iteration)
-    temp = temp_dir_for(final)
-    temp.mkdir(parents=True)
-    (temp / "metadata.json").write_text("{}")
-    (temp / "__0_0.distcp").write_bytes(bytes(range(256)) * iteration)
-    commit_checkpoint(temp, final, iteration)
-    return final
 
 
 def _truncate(ckpt: Path) -> None:

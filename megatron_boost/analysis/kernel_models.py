@@ -267,8 +267,7 @@ def cuda_kernel_models() -> Iterator[None]:
     try:
         for owner, name, fn in replaced:
             setattr(owner, name, fn)
-        # CUDA builds have the bf16 -> fp32 weight-gradient GEMM the CPU lacks (parallel/wgrad.py)
-        with mixed_dtype_gemm_assumed(True):
+        with mixed_dtype_gemm_assumed(True):  # CUDA's bf16 -> fp32 wgrad GEMM (parallel/wgrad.py)
             yield
     finally:
         for owner, name, fn in saved:
