@@ -16,7 +16,7 @@ Kinds of block:
   then the speed ratios of each file, the saved activations of full rank with and without
   sequence parallelism against boost when a file measured all three, and the low-rank
   recompute overhead when a file was measured with ``--recompute lowrank`` beside one without);
-* ``placement``: the placement table (``megatron_boost/parallel/placement.py``) as Markdown;
+* ``placement``: the placement table (``megatron_boost/config/placement.py``) as Markdown;
 * ``paper-table PATH``: the paper-table report (JSON) written by ``tools/paper_table.py
   --json``, as that tool prints it (``megatron_boost.cli.paper_table.markdown_table``);
 * ``ledger PATH [PATH ...]``: the op ledgers written by ``tools/layer_ops.py --json``, one row
@@ -125,9 +125,9 @@ def _bench(root: Path, *paths: str) -> str:
 
 
 def _placement(root: Path) -> str:
-    """The placement table of ``megatron_boost/parallel/placement.py`` (no result file: the
+    """The placement table of ``megatron_boost/config/placement.py`` (no result file: the
     table is code, and the block shows it as it reads there)."""
-    from megatron_boost.parallel.placement import placement_markdown
+    from megatron_boost.config.placement import placement_markdown
 
     return placement_markdown() + "\n"
 

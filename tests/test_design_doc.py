@@ -121,8 +121,8 @@ def test_broken_citations_are_found():
 
 
 def test_the_placement_block_is_the_table():
-    """§2's placement block is the table of ``parallel/placement.py`` as it reads now."""
-    from megatron_boost.parallel.placement import placement_markdown
+    """§2's placement block is the table of ``config/placement.py`` as it reads now."""
+    from megatron_boost.config.placement import placement_markdown
 
     text = DESIGN.read_text()
     block = text.split("<!-- generated: placement -->\n", 1)[1].split("<!-- end generated", 1)[0]

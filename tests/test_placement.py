@@ -1,4 +1,4 @@
-"""The placement table (megatron_boost/parallel/placement.py) is the one statement of BOOST's
+"""The placement table (megatron_boost/config/placement.py) is the one statement of BOOST's
 sharding: the layers, the communication formulas, the perf model and the per-rank factor
 shapes all read it, so changing one entry changes every one of them."""
 
@@ -11,7 +11,7 @@ import pytest
 from megatron_boost.analysis.comm import layer_comm_bytes_per_token, tp_comm_widths
 from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.config.modes import TPMode
-from megatron_boost.parallel import placement as P
+from megatron_boost.config import placement as P
 from megatron_boost.perf.model import layer_work
 
 pytestmark = pytest.mark.fast  # the tiers: docs/testing.md

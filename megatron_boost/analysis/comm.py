@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
-from megatron_boost.parallel.placement import (GROUPS, Norm, collective_widths,
+from megatron_boost.config.placement import (GROUPS, Norm, collective_widths,
                                                layer_collectives, placement)
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def tp_collectives(shape: ModelShape, mode: str, dtype: str = "fp32",
                    sequence_parallel: bool = False) -> List[Tuple[str, str, int]]:
     """(direction, kind, elements per token) of one layer's TP collectives, forward then
     backward, as the placement table states them
-    (:func:`megatron_boost.parallel.placement.layer_collectives`; widths:
+    (:func:`megatron_boost.config.placement.layer_collectives`; widths:
     :func:`tp_comm_widths`)."""
     mode = check_mode(mode)
     return layer_collectives(mode, shape.projections(mode), products_fp32=dtype == "fp32",
@@ -57,7 +57,7 @@ def tp_comm_widths(shape: ModelShape, mode: str, dtype: str = "fp32",
                    sequence_parallel: bool = False) -> Tuple[List[int], List[int]]:
     """(forward, backward) widths, elements per token, of one layer's TP collectives, in issue
     order (docs/design.md §5), read from the placement table
-    (:func:`megatron_boost.parallel.placement.collective_widths`):
+    (:func:`megatron_boost.config.placement.collective_widths`):
 
     * full: row-parallel proj and fc2 all-reduce their d-wide outputs forward; column-parallel
       qkv and fc1 all-reduce their d-wide input gradients backward. With megatron's sequence

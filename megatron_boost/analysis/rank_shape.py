@@ -13,7 +13,7 @@ from typing import List, Optional, Set, Tuple
 
 from megatron_boost.analysis.shape import ModelShape
 from megatron_boost.config.modes import check_tp_split
-from megatron_boost.parallel.placement import Dim, Group, placement
+from megatron_boost.config.placement import Dim, Group, placement
 
 __all__ = ["rank_layout_problem", "rank_local_shape", "sharded_sizes", "shape_overrides", "projection_gemms",
            "projection_training_flops"]
@@ -33,7 +33,7 @@ def rank_layout_problem(shape: ModelShape, mode: str, tp: int) -> Optional[str]:
 
 def sharded_sizes(mode) -> Set[str]:
     """Which of the layer's sizes a TP rank holds a 1/t share of, read from the placement
-    table (``parallel/placement.py``): a column group's input width is the hidden size, its
+    table (``config/placement.py``): a column group's input width is the hidden size, its
     output width the heads (qkv) or the ffn (fc1), its rank the attention or MLP rank; a size is
     sharded when a factor of its group is split along it."""
     sharded = set()

@@ -58,7 +58,7 @@ from megatron_boost.parallel.mappings import (
 from megatron_boost.parallel.online_rmsnorm import autograd_activation_grad, fold_norm_weight
 from megatron_boost.parallel.pipeline import PipelinePlan, pipelined_bottleneck
 from megatron_boost.parallel.wgrad import accumulation_target, column_parallel_a, row_parallel_b
-from megatron_boost.parallel.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
+from megatron_boost.config.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
 
 __all__ = [
     "cola_std",
@@ -110,7 +110,7 @@ class BottleneckGroup(MegatronModule):
 
     Subclasses fix the mode and the group, and write the forward; the sharding (``_a_axis``,
     ``_b_axis``) and whether the input norm is fused come from the placement table
-    (``parallel/placement.py``). With megatron's ``perform_initialization`` the global weights
+    (``config/placement.py``). With megatron's ``perform_initialization`` the global weights
     are drawn on the CPU, one master tensor per factor in a fixed order (A_p then B_p for each
     projection), and sliced: the same seed gives the same global weights in every mode and at
     every TP size; without it they are left empty for the layout-independent init

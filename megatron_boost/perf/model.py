@@ -89,7 +89,7 @@ from its op ledger, measured once per shape and layout), the TP collective width
 :func:`~megatron_boost.analysis.comm.tp_collectives` (the embedding's, tied or not, from
 :func:`~megatron_boost.analysis.comm.embedding_collectives`), the per-GPU GEMM shapes and
 parameters from the placement table
-(:func:`~megatron_boost.parallel.placement.local_factor_shapes`). Every hardware number and
+(:func:`~megatron_boost.config.placement.local_factor_shapes`). Every hardware number and
 every calibrated efficiency lives in :data:`~megatron_boost.perf.hardware.HARDWARE`; the kernel
 costs in :mod:`megatron_boost.perf.kernels`; the authors' published table in
 :mod:`megatron_boost.perf.published`.
@@ -107,7 +107,7 @@ from megatron_boost.analysis.ledger import (CORE_ATTENTION_SCOPE, LayerLedger, L
                                             layer_ledger)
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
 from megatron_boost.config.modes import TPMode, check_tp_split, resolve_sequence_parallel
-from megatron_boost.parallel.placement import local_factor_shapes
+from megatron_boost.config.placement import local_factor_shapes
 from megatron_boost.perf.hardware import (BYTES_ACT, BYTES_GRAD, BYTES_OPTIM, BYTES_WEIGHT,
                                           CE_BYTES_BWD, CE_BYTES_FWD,
                                           OPTIMIZER_BYTES_PER_PARAM, HardwareSpec)
@@ -209,7 +209,7 @@ class LayerWork:
 
 def _factor_gemms(shape: ModelShape, mode: TPMode, t: int) -> List[Gemm]:
     """The forward GEMM of every weight factor on one rank: its local [rows, cols] in the
-    placement table (``parallel/placement.py``) gives N = rows (output width) and K = cols
+    placement table (``config/placement.py``) gives N = rows (output width) and K = cols
     (contraction). Sizes are divided exactly (floats): the model also prices layouts whose
     sizes the trainer would reject."""
     kinds = {"W": "dense", "A": "A", "B": "B"}

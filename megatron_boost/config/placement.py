@@ -10,6 +10,11 @@ table :data:`PLACEMENT` states
   and, for full rank, those megatron's sequence parallelism issues in their place,
 * where the input norm and its statistic live (:class:`Norm`).
 
+and for every tensor outside the projection factors (the residual stream between the groups,
+the fused norm's γ, the final norm's γ, the embedding table, the output layer and the
+bottleneck latent) :data:`TENSORS` states the axis split over the TP ranks, with megatron's
+sequence parallelism and with tied embeddings where those change it.
+
 Everything else reads it: the layers (``parallel/layers.py``) take their split axes from it, the
 communication formulas (``analysis/comm.py``), the perf model's GEMM shapes and parameters
 (``perf/model.py``) and the per-rank factor shapes (:func:`local_factor_shapes`) their sizes.
@@ -30,7 +35,8 @@ from megatron_boost.config.modes import TPMode
 __all__ = ["Group", "Dim", "Norm", "Factor", "Collective", "GroupPlacement", "PLACEMENT",
            "GROUPS", "GROUP_PROJECTIONS", "placement", "group_of_projection", "widths",
            "layer_collectives", "collective_widths", "local_factor_shapes",
-           "placement_markdown"]
+           "placement_markdown", "Tensor", "TensorPlacement", "TENSORS", "tensor_split",
+           "tensors_markdown"]
 
 
 class Group(str, enum.Enum):
@@ -178,6 +184,77 @@ PLACEMENT: Dict[Tuple[TPMode, Group], GroupPlacement] = {
 }
 
 
+class Tensor(str, enum.Enum):
+    """A tensor of the model outside the projection factors, by its global shape."""
+
+    STREAM = "stream"
+    """The residual stream between the groups and between layers, [s, b, d]."""
+    NORM_WEIGHT = "norm_weight"
+    """γ of the norm in front of qkv and fc1, [d]."""
+    FINAL_NORM_WEIGHT = "final_norm_weight"
+    """γ of the final norm, [d]."""
+    EMBEDDING = "embedding"
+    """The word embedding table, [V, d]."""
+    HEAD = "head"
+    """The output layer's weight, [V, d] (the embedding table when tied)."""
+    LATENT = "latent"
+    """A bottleneck's latent between its A and B factors (products P and z = σ(P)),
+    [s, b, r]; only the low-rank modes have one."""
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """The sharding of one tensor in one mode."""
+
+    split: Optional[int]
+    """The axis of the global shape split over the TP ranks; None: replicated."""
+    sp_split: Optional[int] = None
+    """With megatron's sequence parallelism (full rank only): the split axis in its place."""
+    tied_split: Optional[int] = None
+    """With tied embeddings: the split axis in its place (boost's table is then megatron's
+    vocab-parallel one, the tensor the output layer reads)."""
+
+
+_VOCAB, _REPLICATED = TensorPlacement(0), TensorPlacement(None)
+
+#: The other half of THE table: (mode, tensor) -> placement. Full rank and naive keep
+#: megatron's replicated stream and norms and its vocab-parallel ends; naive's latent is split
+#: along the rank (A column-parallel). boost shards the stream, its γ and the untied embedding
+#: along the hidden dimension, and replicates the latent after its all-reduce.
+TENSORS: Dict[Tuple[TPMode, Tensor], TensorPlacement] = {
+    (TPMode.FULL, Tensor.STREAM): TensorPlacement(None, sp_split=0),
+    (TPMode.FULL, Tensor.NORM_WEIGHT): _REPLICATED,
+    (TPMode.FULL, Tensor.FINAL_NORM_WEIGHT): _REPLICATED,
+    (TPMode.FULL, Tensor.EMBEDDING): _VOCAB,
+    (TPMode.FULL, Tensor.HEAD): _VOCAB,
+    (TPMode.NAIVE, Tensor.STREAM): _REPLICATED,
+    (TPMode.NAIVE, Tensor.NORM_WEIGHT): _REPLICATED,
+    (TPMode.NAIVE, Tensor.FINAL_NORM_WEIGHT): _REPLICATED,
+    (TPMode.NAIVE, Tensor.EMBEDDING): _VOCAB,
+    (TPMode.NAIVE, Tensor.HEAD): _VOCAB,
+    (TPMode.NAIVE, Tensor.LATENT): TensorPlacement(2),
+    (TPMode.BOOST, Tensor.STREAM): TensorPlacement(2),
+    (TPMode.BOOST, Tensor.NORM_WEIGHT): TensorPlacement(0),
+    (TPMode.BOOST, Tensor.FINAL_NORM_WEIGHT): TensorPlacement(0),
+    (TPMode.BOOST, Tensor.EMBEDDING): TensorPlacement(1, tied_split=0),
+    (TPMode.BOOST, Tensor.HEAD): _VOCAB,
+    (TPMode.BOOST, Tensor.LATENT): _REPLICATED,
+}
+
+
+def tensor_split(mode, tensor: Tensor, *, sequence_parallel: bool = False,
+                 tied: bool = False) -> Optional[int]:
+    """The axis of ``tensor`` split over the TP ranks in ``mode`` (None: replicated), from
+    :data:`TENSORS`; ``sequence_parallel`` / ``tied`` select the entry's variant where it
+    declares one."""
+    entry = TENSORS[(TPMode.parse(mode), Tensor(tensor))]
+    if sequence_parallel and entry.sp_split is not None:
+        return entry.sp_split
+    if tied and entry.tied_split is not None:
+        return entry.tied_split
+    return entry.split
+
+
 def placement(mode, group: Group) -> GroupPlacement:
     """The table's entry of ``mode`` (a TPMode or its name) and ``group``."""
     return PLACEMENT[(TPMode.parse(mode), Group(group))]
@@ -290,11 +367,25 @@ def _collectives_text(collectives: Tuple[Collective, ...], norm: Norm) -> str:
 
 
 def placement_markdown() -> str:
-    """The table as docs/design.md §2 shows it (tests/test_design_doc.py checks it)."""
+    """Both tables as docs/design.md §2 shows them (tests/test_design_doc.py checks it)."""
     lines = ["| mode | group | A (W) local | B local | forward | backward | norm |",
              "|---|---|---|---|---|---|---|"]
     for (mode, group), e in PLACEMENT.items():
         lines.append(f"| {mode.value} | {group.value} | {_split_text(e.a)} | "
                      f"{_split_text(e.b)} | {_collectives_text(e.fwd, e.norm)} | "
                      f"{_collectives_text(e.bwd, Norm.NONE)} | {e.norm.value} |")
+    return "\n".join(lines) + "\n\n" + tensors_markdown()
+
+
+
+def tensors_markdown() -> str:
+    """:data:`TENSORS` as docs/design.md §2 shows it."""
+    def axis(split: Optional[int]) -> str:
+        return "replicated" if split is None else f"axis {split}"
+
+    lines = ["| mode | tensor | split | with SP | tied |", "|---|---|---|---|---|"]
+    for (mode, tensor), e in TENSORS.items():
+        lines.append(f"| {mode.value} | {tensor.value} | {axis(e.split)} | "
+                     f"{axis(e.sp_split) if e.sp_split is not None else '—'} | "
+                     f"{axis(e.tied_split) if e.tied_split is not None else '—'} |")
     return "\n".join(lines)
