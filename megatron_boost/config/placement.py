@@ -220,7 +220,8 @@ _VOCAB, _REPLICATED = TensorPlacement(0), TensorPlacement(None)
 #: The other half of THE table: (mode, tensor) -> placement. Full rank and naive keep
 #: megatron's replicated stream and norms and its vocab-parallel ends; naive's latent is split
 #: along the rank (A column-parallel). boost shards the stream, its γ and the untied embedding
-#: along the hidden dimension, and replicates the latent after its all-reduce.
+#: along the hidden dimension, and replicates the latent after its all-reduce and the final
+#: norm's γ (the final norm runs on the gathered stream: ``GatheredRMSNorm``, model/gpt.py).
 TENSORS: Dict[Tuple[TPMode, Tensor], TensorPlacement] = {
     (TPMode.FULL, Tensor.STREAM): TensorPlacement(None, sp_split=0),
     (TPMode.FULL, Tensor.NORM_WEIGHT): _REPLICATED,
@@ -235,7 +236,7 @@ TENSORS: Dict[Tuple[TPMode, Tensor], TensorPlacement] = {
     (TPMode.NAIVE, Tensor.LATENT): TensorPlacement(2),
     (TPMode.BOOST, Tensor.STREAM): TensorPlacement(2),
     (TPMode.BOOST, Tensor.NORM_WEIGHT): TensorPlacement(0),
-    (TPMode.BOOST, Tensor.FINAL_NORM_WEIGHT): TensorPlacement(0),
+    (TPMode.BOOST, Tensor.FINAL_NORM_WEIGHT): _REPLICATED,
     (TPMode.BOOST, Tensor.EMBEDDING): TensorPlacement(1, tied_split=0),
     (TPMode.BOOST, Tensor.HEAD): _VOCAB,
     (TPMode.BOOST, Tensor.LATENT): _REPLICATED,
