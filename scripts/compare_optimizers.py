@@ -170,7 +170,7 @@ def table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=300, help="iterations per run (demo: 300)")
     p.add_argument("--modes", default="boost,full")
@@ -189,40 +189,56 @@ def main(argv=None) -> int:
                    help="no training runs: re-time each (mode, optimizer) side by side")
     p.add_argument("--append", action="store_true",
                    help="add to OUT.json (more runs measured in another sitting; see above)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if not args.timing_only and not (ROOT / "data/shakespeare/tokenizer.model").is_file():
         print("error: the demo corpus is missing (data/shakespeare); run scripts/demo_data.sh "
               "first", file=sys.stderr)
         return 2
-    modes = args.modes.split(",")
-    out = Path(args.out)
+    modes, out = args.modes.split(","), Path(args.out)
+    results = start_results(out, args.append, modes,
+                            argv if argv is not None else sys.argv[1:])
+    if args.timing_only:
+        retime(results, modes, args.timing_steps, out)
+    else:
+        for mode in modes:
+            for optimizer in ("adamw", "muon"):
+                run_grid(results, args, mode, optimizer, out)
+        write(results, out)
+    print(table(results))
+    return 0
+
+
+def start_results(out: Path, append: bool, modes, argv) -> dict:
+    """This sitting's results: empty, or OUT.json's with ``append``; with ``modes`` and this
+    command line added."""
     results = {"modes": [], "runs": [], "timing": {}, "commands": []}
-    if args.append and out.with_suffix(".json").is_file():
+    if append and out.with_suffix(".json").is_file():
         results = json.loads(out.with_suffix(".json").read_text())
         results.setdefault("commands", [])
     results["modes"] += [m for m in modes if m not in results["modes"]]
-    results["commands"].append(shlex.join(["python", "scripts/compare_optimizers.py",
-                                           *(argv if argv is not None else sys.argv[1:])]))
-    if args.timing_only:
-        retime(results, modes, args.timing_steps, out)
-        print(table(results))
-        return 0
-    for mode in modes:
-        for optimizer, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
-            lrs = getattr(args, f"full_{optimizer}_lrs") if mode == "full" else lrs
-            for lr in _floats(lrs):
-                record(results, train(mode, optimizer, lr, args.iters, Path(args.runs),
-                                      args.timeout))
-                print(json.dumps(results["runs"][-1]), flush=True)
-                write(results, out)
-            key = f"{mode}-{optimizer}"
-            if _floats(lrs) and key not in results["timing"]:
-                results["timing"][key] = time_steps(mode, optimizer, args.timing_steps)
-                print(mode, optimizer, results["timing"][key], flush=True)
-                write(results, out)
-    write(results, out)
-    print(table(results))
-    return 0
+    results["commands"].append(shlex.join(["python", "scripts/compare_optimizers.py", *argv]))
+    return results
+
+
+def run_grid(results: dict, args: argparse.Namespace, mode: str, optimizer: str,
+             out: Path) -> None:
+    """One training run per learning rate of (mode, optimizer)'s grid, then its timing (unless
+    already timed); OUT is rewritten after each."""
+    lrs = _floats(getattr(args, f"full_{optimizer}_lrs" if mode == "full"
+                          else f"{optimizer}_lrs"))
+    for lr in lrs:
+        record(results, train(mode, optimizer, lr, args.iters, Path(args.runs), args.timeout))
+        print(json.dumps(results["runs"][-1]), flush=True)
+        write(results, out)
+    key = f"{mode}-{optimizer}"
+    if lrs and key not in results["timing"]:
+        results["timing"][key] = time_steps(mode, optimizer, args.timing_steps)
+        print(mode, optimizer, results["timing"][key], flush=True)
+        write(results, out)
 
 
 def retime(results: dict, modes, steps: int, out: Path) -> None:

@@ -3,6 +3,12 @@ that are killed or hang are real torchrun launches; the runs that finish (the un
 reference, the relaunches, the non-finite run) run the entry point in the rank pool
 (tests/rank_pool.py).
 
+The faults are injected from outside the product: a run given one of their variables runs
+``tests/fault_entry.py`` (the entry point's ``main`` with ``megatron_boost/testing/faults.py``'s
+trainer callbacks) instead of ``pretrain_lowrank.py`` (under the launcher through its
+``--entry``, which skips the launcher's up-front check of the configuration: the ranks still
+check it).
+
 * Kill and resume: one rank is SIGKILLed after a seeded random iteration; all ranks are
   SIGKILLed while the second checkpoint is being written (the save sleeps before its commit
   through ``MEGATRON_BOOST_TEST_SAVE_SLEEP``; the kill comes when its ``iter_*.tmp`` directory
@@ -16,8 +22,8 @@ reference, the relaunches, the non-finite run) run the entry point in the rank p
   run before the save due at 4).
 * Hang: ``MEGATRON_BOOST_TEST_HANG_AT`` makes one rank stop responding; with
   ``parallel.timeout_minutes=0.1`` the job ends within a bounded time, naming the rank. The
-  hung rank is stuck in communication (``FaultInjector.maybe_hang``), so it ends when the rank that
-  found it stops, not after torchrun's 30 s SIGTERM-to-SIGKILL grace.
+  hung rank is stuck in communication (``FaultInjector.maybe_hang``, testing/faults.py), so it
+  ends when the rank that found it stops, not after torchrun's 30 s SIGTERM-to-SIGKILL grace.
 * Pre-emption under the README's launcher (``scripts/run_local.sh``, ``cli/launch.py``):
   SIGINT (Ctrl-C: to the launcher's whole process group, as a terminal sends it) and SIGTERM,
   sent while the checkpoint of iteration 2 is being written, stop the run at the next step
@@ -44,8 +50,10 @@ from typing import Optional
 
 import pytest
 
+from tests import fault_entry
+from tests.rank_pool import ENTRY as POOL_ENTRY
 from tests.test_bad_input import error_messages
-from tests.test_training import DEBUG, ROOT, _cmd, _env, losses, metrics, run_training
+from tests.test_training import DEBUG, ENTRY, ROOT, _cmd, _env, losses, metrics, run_training
 
 TIMEOUT = 300
 ITERS = 8
@@ -69,8 +77,11 @@ class Launch:
         self.log = run_dir.parent / f"{run_dir.name}-{time.time_ns()}.log"
         env = dict(_env(), **(env_extra or {}))
         overrides = COMMON + [f"logging.run_dir={run_dir}", *extra]
-        cmd = [str(ROOT / "scripts" / "run_local.sh"), "2", str(DEBUG), *overrides] \
-            if launcher else _cmd(2, overrides)
+        # a fault is injected by the harness's entry (tests/fault_entry.py)
+        self.entry = fault_entry.PATH if env_extra else ENTRY
+        with_entry = ["--entry", self.entry] if env_extra else []
+        cmd = [str(ROOT / "scripts" / "run_local.sh"), "2", str(DEBUG), *with_entry,
+               *overrides] if launcher else _cmd(2, overrides, entry=self.entry)
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=launcher)
@@ -87,7 +98,7 @@ class Launch:
         def is_rank(child) -> bool:
             try:
                 return os.getsid(child.pid) == child.pid \
-                    and "pretrain_lowrank.py" in " ".join(child.cmdline())
+                    and os.path.basename(self.entry) in " ".join(child.cmdline())
             except (psutil.NoSuchProcess, ProcessLookupError):  # exited meanwhile
                 return False
 
@@ -126,7 +137,7 @@ def _run(run_dir: Path, extra=(), env_extra=None) -> str:
     what it computes is the subject; the runs that are killed or hang are real launches.
     Its console output (both streams)."""
     proc = run_training(2, [*COMMON, f"logging.run_dir={run_dir}", *extra], env_extra=env_extra,
-                        timeout=TIMEOUT)
+                        timeout=TIMEOUT, target=fault_entry.TARGET if env_extra else POOL_ENTRY)
     return proc.stdout + proc.stderr
 
 
@@ -268,7 +279,7 @@ def _bare_launch(launcher_code: str) -> Launch:
     """A Launch of no run: only its launcher process (``python -c launcher_code``) and the
     sessions it records, for the tests of the rank search."""
     job = Launch.__new__(Launch)
-    job.sessions = set()
+    job.sessions, job.entry = set(), ENTRY
     job.proc = subprocess.Popen([sys.executable, "-c", launcher_code])
     return job
 

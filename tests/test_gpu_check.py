@@ -67,7 +67,8 @@ def test_a_layout_the_trainer_refuses_is_a_reason_not_a_shape():
 def test_tp_stage_layouts_follow_the_gpus_it_finds():
     """Stage 8's worlds: two gloo processes on the CPU or one GPU; NCCL with DP=2 from two GPUs;
     a world of four with DP and PP from four. Every spec compares after a few steps."""
-    from megatron_boost.testing.gpu_stages import COMPARISON_STEPS, tensor_parallel_layouts
+    from megatron_boost.testing.gpu_layout_stages import tensor_parallel_layouts
+    from megatron_boost.testing.gpu_stages import COMPARISON_STEPS
 
     def shape(device, gpus):
         return [(world, backend, [(s.mode, s.tp, s.pp, world // (s.tp * s.pp)) for s in specs])

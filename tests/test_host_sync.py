@@ -145,9 +145,8 @@ def _trainer_syncs(run_dir, num_layers, num_microbatches):
     trainer.device = "cuda"
     try:
         assert trainer.num_microbatches == num_microbatches
-        # The step's plain forward step, and no fault injector anywhere (no test variable set)
-        hooks = {"injector": getattr(trainer, "fault_injector", "absent"),
-                 "writer_injector": getattr(trainer.writer, "fault_injector", "absent"),
+        # The step's plain forward step, and no callback anywhere (none was given)
+        hooks = {"callbacks": trainer.callbacks, "writer_callbacks": trainer.writer.callbacks,
                  "plain_forward_step": trainer.train_forward_step == trainer.forward_step}
         trainer.iteration()  # warm-up: lazy initialisation (optimizer state, buffers)
         with HostSyncCounter() as ordinary:
@@ -174,9 +173,10 @@ def test_trainer_iteration_host_syncs_do_not_grow_with_parameters_or_micro_batch
     assert large["logged"].get("cuda.synchronize") == 1, counts
 
 
-def test_trainer_without_test_variables_has_no_fault_injection_in_its_step(counts):
-    """Fault injection (train/resilience.py) exists only where a test sets its environment
-    variables; otherwise the trainer holds none and its step runs the plain forward step."""
+def test_trainer_without_callbacks_calls_none_in_its_step(counts):
+    """Callbacks (train/callbacks.py; the tests' fault injection is one) exist only where the
+    entry point was given some; otherwise the trainer and its writer hold none and the step
+    runs the plain forward step."""
     for built in counts["trainer"].values():
-        assert built["hooks"] == {"injector": None, "writer_injector": None,
+        assert built["hooks"] == {"callbacks": (), "writer_callbacks": (),
                                   "plain_forward_step": True}, built["hooks"]

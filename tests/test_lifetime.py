@@ -156,13 +156,14 @@ def test_forked_children_and_theirs_die_with_a_killed_process(tmp_path):
 
 
 def test_a_rank_killed_during_an_asynchronous_save_leaves_no_process(tmp_path):
-    """The run sleeps in its background write (``MEGATRON_BOOST_TEST_WRITE_SLEEP``), in the
-    process megatron forked for it, where the kill comes."""
+    """The run sleeps in its background write (``MEGATRON_BOOST_TEST_WRITE_SLEEP``, injected by
+    tests/fault_entry.py), in the process megatron forked for it, where the kill comes."""
+    from tests import fault_entry
     from tests.test_training import _cmd, _env
 
     cmd = _cmd(1, ["training.train_iters=4", "checkpoint.save_interval=1",
                    "checkpoint.async_save=true", "training.eval_interval=100",
-                   f"logging.run_dir={tmp_path / 'run'}"])
+                   f"logging.run_dir={tmp_path / 'run'}"], entry=fault_entry.PATH)
     env = dict(_env(), MEGATRON_BOOST_TEST_WRITE_SLEEP="600")
     rank = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

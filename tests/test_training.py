@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from megatron_boost.config.run import load_run_config
+from tests.rank_pool import ENTRY as POOL_ENTRY
 from tests.rank_pool import pool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,22 +51,26 @@ def _env():
     return env
 
 
-def _cmd(nproc: int, overrides, config: str = DEBUG):
+def _cmd(nproc: int, overrides, config: str = DEBUG, entry: str = ENTRY):
+    """The launch of ``entry`` (the trainer script; tests/fault_entry.py for faults)."""
     if nproc == 1:
-        launch = [sys.executable, ENTRY]
+        launch = [sys.executable, entry]
     else:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  f"--nproc_per_node={nproc}", ENTRY]
+                  f"--nproc_per_node={nproc}", entry]
     return launch + ["--config", config, *overrides]
 
 
 def run_training(nproc: int, overrides, check: bool = True, config: str = DEBUG,
-                 env_extra=None, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+                 env_extra=None, timeout: float = TIMEOUT,
+                 target: str = POOL_ENTRY) -> subprocess.CompletedProcess:
     """``pretrain_lowrank.py --config <config> <overrides>`` on ``nproc`` ranks of the rank pool
     (tests/rank_pool.py), with the environment a launch of these tests gets (plus
-    ``env_extra``, e.g. a fault-injection hook)."""
+    ``env_extra``). ``target``: the ``main`` the ranks run (tests/fault_entry.py's for a
+    fault-injection variable in ``env_extra``)."""
     proc = pool().run(nproc, ["--config", config, *overrides],
-                      env=dict(_env(), **(env_extra or {})), cwd=str(ROOT), timeout=timeout)
+                      env=dict(_env(), **(env_extra or {})), cwd=str(ROOT), timeout=timeout,
+                      target=target)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (exit {proc.returncode}):\n"
                              f"--- stdout ---\n{proc.stdout[-4000:]}\n"

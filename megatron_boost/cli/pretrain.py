@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from megatron_boost.cli.arg_types import positive_int
 from megatron_boost.cli.errors import USAGE_ERROR_EXIT_CODE, print_error
@@ -141,8 +141,10 @@ def _end_stalled_run(err: Exception) -> None:
     os._exit(FAULT_EXIT_CODE)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point: parse, load and validate the config for this launch, train."""
+def main(argv: Optional[List[str]] = None, callbacks: Sequence = ()) -> int:
+    """Entry point: parse, load and validate the config for this launch, train (with
+    ``callbacks``, train/callbacks.py's ``TrainerCallback`` objects, called at its named points:
+    a script of one's own may pass some)."""
     args = parse_args(argv)
     try:
         from megatron_boost.config.run import load_run_config
@@ -162,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             device = select_device(cfg.training.device)
             from megatron_boost.train.trainer import train
 
-            return train(cfg, device, on_stall=_end_stalled_run)
+            return train(cfg, device, on_stall=_end_stalled_run, callbacks=callbacks)
     except (ValueError, TrainingDiverged, RankTimeout, CheckpointSaveFailed) as err:
         if os.environ.get("MBOOST_TRACEBACK"):
             raise

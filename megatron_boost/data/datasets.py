@@ -345,11 +345,30 @@ def build_gpt_datasets(
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    config = _gpt_dataset_config(data_cfg, tokenizer, seq_length, seed)
+    dataset_cls = MockGPTDataset if data_cfg.mock else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(
+        dataset_cls,
+        [train_samples, valid_samples, test_samples],
+        lambda: True,  # every rank holds the datasets; rank 0 still builds the cache first
+        config,
+    )
+    from megatron_boost.compat import rank_zero_without_process_group  # a version difference
+
+    with rank_zero_without_process_group():
+        train_ds, valid_ds, test_ds = builder.build()
+    return train_ds, valid_ds, test_ds
+
+
+def _gpt_dataset_config(data_cfg: DataConfig, tokenizer, seq_length: int, seed: int):
+    """megatron's ``GPTDatasetConfig`` for ``data_cfg`` (blends, splits, cache, masks), once
+    the blend's files are known to cover the split's non-empty parts."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     if seq_length < 1:
         raise ValueError(f"seq_length={seq_length} must be >= 1")
-
     blend, blend_per_split, split = _blends(data_cfg)
     config = GPTDatasetConfig(
         random_seed=seed,
@@ -366,18 +385,7 @@ def build_gpt_datasets(
     )
     if blend is not None:
         _check_split_coverage(blend[0], config.split_matrix, data_cfg.split)
-    dataset_cls = MockGPTDataset if data_cfg.mock else GPTDataset
-    builder = BlendedMegatronDatasetBuilder(
-        dataset_cls,
-        [train_samples, valid_samples, test_samples],
-        lambda: True,  # every rank holds the datasets; rank 0 still builds the cache first
-        config,
-    )
-    from megatron_boost.compat import rank_zero_without_process_group  # a version difference
-
-    with rank_zero_without_process_group():
-        train_ds, valid_ds, test_ds = builder.build()
-    return train_ds, valid_ds, test_ds
+    return config
 
 
 def get_batch(data_iterator: Optional[Iterator]) -> Optional[dict[str, torch.Tensor]]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from megatron_boost.compat import async_calls_queue, save_sharded
 from megatron_boost.train.checkpoint_guard import (
@@ -37,7 +37,7 @@ from megatron_boost.train.checkpoint_guard import (
     shard_entries,
     temp_dir_for,
 )
-from megatron_boost.train.resilience import FaultInjector
+from megatron_boost.train.callbacks import TrainerCallback
 from megatron_boost.train.save_faults import explain_save_fault, quiet_writer_failure_logs
 
 __all__ = ["CheckpointWriter"]
@@ -47,10 +47,10 @@ class CheckpointWriter:
     """Saves sharded state dicts under ``save_dir`` (see the module docstring)."""
 
     def __init__(self, save_dir: str, async_save: bool, keep_last: Optional[int],
-                 fault_injector: Optional[FaultInjector] = None):
+                 callbacks: Sequence[TrainerCallback] = ()):
         self.save_dir = Path(save_dir)
         self.async_save, self.keep_last = async_save, keep_last
-        self.fault_injector = fault_injector  # None outside the fault-tolerance tests
+        self.callbacks = tuple(callbacks)  # train/callbacks.py; usually none
         self.queue = None
         self.in_flight: Optional[Tuple[int, Path]] = None  # (iteration, temp dir) being saved
         quiet_writer_failure_logs()
@@ -72,8 +72,8 @@ class CheckpointWriter:
         def commit():
             import torch.distributed as dist
 
-            if self.fault_injector is not None:
-                self.fault_injector.before_commit()
+            for callback in self.callbacks:
+                callback.before_checkpoint_commit(iteration)
             rank, world = dist.get_rank(), dist.get_world_size()
             shares = [None] * world  # each rank's fsynced, CRC'd shard files, in parallel
             dist.all_gather_object(shares, shard_entries(temp, rank, world))
@@ -113,8 +113,8 @@ class CheckpointWriter:
                 commit()
                 return
             request = save_sharded(sharded_sd, str(temp), async_save=True)
-            if self.fault_injector is not None:
-                request = self.fault_injector.slow_background_write(request)
+            for callback in self.callbacks:
+                request = callback.on_async_save(request)
             request.add_finalize_fn(commit)
             self.queue.schedule_async_request(request)
 

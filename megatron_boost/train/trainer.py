@@ -33,7 +33,7 @@ import dataclasses
 import random
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ from megatron_boost.runtime.backends import format_fusions
 from megatron_boost.runtime.lifetime import forked_children_die_with_parent
 from megatron_boost.train import step
 from megatron_boost.train.build import build_run
+from megatron_boost.train.callbacks import TrainerCallback
 from megatron_boost.train.checkpoint_guard import TRACKER_FILE, iter_dir_name
 from megatron_boost.train.checkpoint_writer import CheckpointWriter
 from megatron_boost.train.checkpointing import (
@@ -78,7 +79,6 @@ from megatron_boost.train.metrics import (
 )
 from megatron_boost.train.run_lock import RunLock
 from megatron_boost.train.resilience import (
-    FaultInjector,
     RankMonitor,
     SkipBudget,
     StallWatch,
@@ -100,11 +100,12 @@ from megatron_boost.train.state import TrainState
 __all__ = ["train", "Trainer", "TrainingError"]
 
 
-def train(cfg, device: str, on_stall=None) -> int:
+def train(cfg, device: str, on_stall=None, callbacks: Sequence[TrainerCallback] = ()) -> int:
     """Run (or resume) the training of ``cfg``, a RunConfig validated for this launch
     (``RunConfig.validate(world_size)``), on ``device`` ('cuda' or 'cpu'). Returns the exit
     status. On CUDA, ``on_stall(RankTimeout)`` is called from :class:`StallWatch`'s thread when
     a training step stalls (it must end the process; the entry point prints the error).
+    ``callbacks`` are called at the run's named points (train/callbacks.py).
     It leaves what it set up as it found it: megatron's global micro-batch calculator is
     cleared and its signal handlers restored, so a process of one rank (a notebook, a script)
     can train again. A second run in the same torchrun-launched processes needs a rendezvous
@@ -114,7 +115,7 @@ def train(cfg, device: str, on_stall=None) -> int:
     previous_handlers = install_signal_handlers()
     lock = RunLock()  # taken by rank 0 once the inputs are checked, released however it ends
     try:
-        trainer = Trainer(cfg, device, on_stall, lock)  # checks every input: ValueError = bad input
+        trainer = Trainer(cfg, device, on_stall, lock, callbacks)  # ValueError = bad input
         try:
             return trainer.train()
         except ValueError as err:  # the inputs were checked: a fault, not a usage error
@@ -136,15 +137,15 @@ class Trainer:
     checkpoint and data files, then the run directory, resume, data), then :meth:`train`.
     Nothing is written before every input has been checked."""
 
-    def __init__(self, cfg, device: str, on_stall=None, lock: Optional[RunLock] = None):
+    def __init__(self, cfg, device: str, on_stall=None, lock: Optional[RunLock] = None,
+                 callbacks: Sequence[TrainerCallback] = ()):
         self.cfg, self.device = cfg, device
+        self.callbacks = tuple(callbacks)  # train/callbacks.py; usually none
         self.lock = lock or RunLock()  # the caller releases it (train() does)
         self.t_start = time.perf_counter()
         self.train_iters = train_iterations(cfg)
         self.dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
             else torch.device("cpu")
-        # None unless a fault-tolerance test set its variables: then the step calls nothing of it
-        self.fault_injector = FaultInjector.from_env()
         self.monitor = RankMonitor(process_group_timeout(cfg.parallel.timeout_minutes))
         # NCCL: a stalled collective raises nothing; the watch names the rank (resilience.py)
         self.stall_watch = StallWatch(
@@ -160,7 +161,7 @@ class Trainer:
         resume_from = self._check_inputs()
         self._prepare_run_dir()
         self.writer = CheckpointWriter(self.save_dir, cfg.checkpoint.async_save,
-                                       cfg.checkpoint.keep_last, self.fault_injector)
+                                       cfg.checkpoint.keep_last, self.callbacks)
         self.state, self.last_saved = self._resume(*resume_from)
         self._phase("building the datasets")
         self._build_data()
@@ -308,10 +309,7 @@ class Trainer:
             valid_samples=max(self.eval_iters, 1) * t.global_batch_size, test_samples=None)
         if self.valid_ds is None or len(self.valid_ds) == 0:
             self.eval_iters = 0
-        self.train_forward_step = self.forward_step
-        if self.fault_injector is not None:  # wrapped once here, never looked at in the step
-            self.train_forward_step = self.fault_injector.wrap_forward_step(
-                self.forward_step, lambda: self.state.iteration + 1)
+        self.train_forward_step = self.forward_step  # a callback may wrap it (on_train_start)
         self.train_iterators = self._iterators(self.train_ds, self.state.consumed_samples, None,
                                                self.data_cfg.num_workers)
         self.metrics = MetricsWriter(self.run_dir, self.cfg.logging.tensorboard,
@@ -338,6 +336,8 @@ class Trainer:
         if start >= self.train_iters:
             print0(f"nothing to do: the checkpoint is at iteration {start} >= "
                    f"{self.train_iters} training iterations")
+        for callback in self.callbacks:
+            callback.on_train_start(self)
         if self.stall_watch is not None:
             self.stall_watch.start()
         try:
@@ -380,8 +380,8 @@ class Trainer:
         device work is waited for, and timed, by the next step's reads."""
         t, it = self.cfg.training, self.state.iteration + 1
         self.writer.poll()  # commit a finished background save
-        if self.fault_injector is not None:
-            self.fault_injector.maybe_hang(it, dist.get_rank(), self.monitor.group)
+        for callback in self.callbacks:
+            callback.on_step_start(self, it)
         self.scheduler.step(1)  # iteration k runs at scheduler step k
         lr = float(self.optimizer.param_groups[0]["lr"])
         logged = self._logs_at(it)
