@@ -65,7 +65,7 @@ class PipelinePlan:
     ranks: Tuple[int, ...]
     """Each projection's rank: its columns of P and z."""
     activation: object
-    """The norm's scale and σ (``BottleneckActivation`` in ``parallel/mappings.py``)."""
+    """The norm's scale and σ (``BottleneckActivation`` in ``parallel/bottleneck.py``)."""
     with_statistic: bool
     """Whether the fused norm's statistic is gathered with the products."""
     overlap_backward: bool
