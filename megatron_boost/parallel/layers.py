@@ -393,12 +393,8 @@ class BoostBottleneckGroup(BottleneckGroup):
     def _plan(self, geometry: BottleneckGeometry, with_statistic: bool) -> PipelinePlan:
         """``parallel.bottleneck_overlap_chunks`` > 1: the group's pipeline
         (``parallel/pipeline.py``)."""
-        return PipelinePlan(
-            group=geometry.group, chunks=self.config.bottleneck_overlap_chunks,
-            rows=geometry.rows, ranks=geometry.ranks, activation=geometry.activation,
-            with_statistic=with_statistic, overlap_backward=geometry.overlap,
-            shared_output=geometry.batched and geometry.equal_shapes(),
-            fuse_wgrad=geometry.fuse_wgrad)
+        return PipelinePlan(geometry=geometry, chunks=self.config.bottleneck_overlap_chunks,
+                            with_statistic=with_statistic)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
