@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.rank_pool import distributed
-from megatron_boost.testing.layers import global_shapes, load_global_weights, shard_of
+from megatron_boost.testing.layers import (axis_of, global_shapes, load_global_weights, local,
+                                           shard_of)
 
 pytestmark = [pytest.mark.fast, pytest.mark.compat]  # the tiers: docs/testing.md
 
@@ -119,8 +120,8 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
         with torch.no_grad():
             for name, w in weights.items():
                 if name.startswith("A_"):
-                    layer.local(name).copy_(w.chunk(t, dim=layer.axis_of(name))[(k + 1) % t]
-                                            if t > 1 else w.flip(0))
+                    wrong = w.chunk(t, dim=axis_of(layer, name))[(k + 1) % t]
+                    local(layer, name).copy_(wrong if t > 1 else w.flip(0))
     else:
         load_global_weights(layer, {n: w.to(dtype) for n, w in weights.items()})
     x_loc = local_view(mode, x, t, k).to(dtype).requires_grad_(True)
@@ -133,7 +134,7 @@ def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=Fals
             "out": max(rel_err(yp, local_view(mode, yr, t, k)) for yp, yr in zip(ys, y_ref)),
             "dx": rel_err(x_loc.grad, local_view(mode, x_ref.grad, t, k))}
     for name in weights:
-        errs[f"d{name}"] = rel_err(layer.local(name, grad=True),
+        errs[f"d{name}"] = rel_err(local(layer, name, grad=True),
                                    shard_of(layer, name, ref_w[name].grad))
     return {"errs": errs, "comm": log.summary()}
 

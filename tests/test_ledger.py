@@ -113,7 +113,7 @@ def test_a_concatenation_put_back_is_a_copy(monkeypatch):
     fc2 included) shows as layout copies, one per group."""
     import torch
 
-    from megatron_boost.parallel import mappings
+    from megatron_boost.parallel import bottleneck
 
     def concatenated(grads, b, rows, ranks, like):
         dz = torch.cat([g @ w for g, w in zip(grads, b.split(list(rows)))], dim=-1)
@@ -121,7 +121,7 @@ def test_a_concatenation_put_back_is_a_copy(monkeypatch):
 
     spec = LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32)
     assert _measured(spec).layout_copies() == []
-    monkeypatch.setattr(mappings, "_input_gradient", concatenated)
+    monkeypatch.setattr(bottleneck, "_up_project_dgrad", concatenated)
     copies = _measured(spec).layout_copies()
     assert [k.name for k in copies] == ["aten.cat.default"] * 4  # fc2, fc1, proj, qkv
 
@@ -130,19 +130,19 @@ def test_an_fp32_bottleneck_kept_for_backward_is_listed(monkeypatch):
     """Negative control: the scale and σ composed by autograd in fp32 (as the layers did
     before) keep an fp32 [s, b, Σr] for backward, which the ledger lists (qkv's 3·r_attn and
     fc1's 2·r_mlp); the fused regions keep none."""
-    from megatron_boost.parallel import layers, mappings, online_rmsnorm
+    from megatron_boost.parallel import bottleneck, layers, online_rmsnorm
 
-    def autograd_up(products, sumsq, b, rows, ranks, group, activation, overlap=True,
-                    batched=False, fuse_wgrad=False):
+    def autograd_up(products, sumsq, b, geometry):
+        activation = geometry.activation
         z = activation.act(products)
         if sumsq is not None:
             inv = online_rmsnorm.inverse_rms(sumsq, activation.hidden_size, activation.eps)
             z = activation.act((products.float() * inv).to(products.dtype))
-        return mappings.split_project(z, b.split(list(rows)), ranks)
+        return bottleneck.split_project(z, b.split(list(geometry.rows)), geometry.ranks)
 
     spec = LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32)
     assert _measured(spec).saved_fp32_wide == []
-    monkeypatch.setattr(layers, "bottleneck_up", autograd_up)
+    monkeypatch.setattr(layers, "up_project", autograd_up)
     ledger = _measured(spec)
     assert sorted(s["shape"][-1] for s in ledger.saved_fp32_wide) == [2 * 24, 3 * 16]
 

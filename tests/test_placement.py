@@ -39,6 +39,8 @@ def _fc2_layer(**slot_kwargs):
 
 def _consumers():
     """What each consumer makes of boost's fc2 (the last group of a layer)."""
+    from megatron_boost.testing.layers import axis_of
+
     fwd, bwd = tp_comm_widths(SHAPE, TPMode.BOOST)
     work = layer_work(SHAPE, TPMode.BOOST, TP)
     gemm = work.gemms[-2]  # A of fc2 (then B_down)
@@ -46,7 +48,7 @@ def _consumers():
     layer = _fc2_layer()
     return {"comm": (fwd[-1], bwd[-1]), "perf_coll": (work.coll_fwd[-1], work.coll_bwd[-1]),
             "perf_gemm": (gemm.N, gemm.K), "local_A": shapes["A_fc2"],
-            "layer_axes": (layer.axis_of("A_down"), layer.axis_of("B_down")),
+            "layer_axes": (axis_of(layer, "A_down"), axis_of(layer, "B_down")),
             "layer_norm": hasattr(layer, "layer_norm_weight"), **_sp_consumers()}
 
 

@@ -54,8 +54,8 @@ def check_muon_keys_need_muon(cfg) -> None:
 
 
 def check_overlap_chunks_fit(cfg) -> None:
-    """boost's overlap chunks split the sequence positions a layer sees (parallel/mappings.py
-    ``_row_chunks``): more chunks than positions would leave the extra ones empty, so fewer
+    """boost's overlap chunks split the sequence positions a layer sees (parallel/pipeline.py
+    ``row_blocks``): more chunks than positions would leave the extra ones empty, so fewer
     all-reduces run than asked. A layer sees all ``model.seq_length`` positions in every
     layout: with pp > 1 boost ships a stage's [s, b, d/t] output as an [s/t, b, d] buffer
     (the schedule's seq_length is s/t, model/gpt.py), but views it back as [s, b, d/t] before

@@ -14,7 +14,7 @@ boost (BOOST's bottleneck-aware TP, docs/design.md §2):
     One all-reduce of width Σr (+1 with the norm in fp32) forward, one of width Σr backward;
     with bf16 products the norm's fp32 statistic has an all-reduce of its own, started before
     the A GEMM. The norm's arithmetic and σ run as fused regions (``parallel/online_rmsnorm.py``),
-    the GEMMs and collectives in the autograd Functions of ``parallel/mappings.py``.
+    the GEMMs and collectives in the autograd Functions of ``parallel/bottleneck.py``.
 
 naive ("vanilla TP", Megatron's MLP pattern applied to each (A, B) pair):
     A_<p>: [r_p/t, d_in]  sharded along r (dim 0; column-parallel, replicated input)
@@ -22,17 +22,19 @@ naive ("vanilla TP", Megatron's MLP pattern applied to each (A, B) pair):
     Forward: all-reduce of the group's output (width Σ d_out); backward: all-reduce of the
     input gradient (width d_in).
 
-The four classes at the bottom obey megatron-core's constructor contract for the linear slots
-of a layer spec (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``) and return
-``(output, None)``: these layers have no bias. A column slot's output is the tuple of its
+The eight classes at the bottom (one per mode and slot, made by one factory, :func:`_slot`) obey
+megatron-core's constructor contract for the linear slots of a layer spec (``linear_qkv``,
+``linear_proj``, ``linear_fc1``, ``linear_fc2``) and return ``(output, None)``: these layers
+have no bias. A column slot's output is the tuple of its
 projections' outputs ((q, k, v); (gate, up)), which ``BottleneckSelfAttention`` and
 ``BottleneckMLP`` (``model/blocks.py``) take in place of megatron's fused layouts.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,36 +47,31 @@ from megatron.core.utils import get_pg_rank, get_pg_size, make_tp_sharded_tensor
 
 from megatron_boost.compat import linear_with_dgrad_allreduce
 from megatron_boost.config.modes import TPMode, check_divisible_by_tp
+from megatron_boost.config.placement import (GROUP_PROJECTIONS, Dim, Group, Norm, Tensor,
+                                             placement, tensor_split)
 from megatron_boost.config.transformer import (BoostTransformerConfig, get_bottleneck_activation,
                                                get_bottleneck_activation_grad, is_identity)
-from megatron_boost.parallel.mappings import (
-    BottleneckActivation,
-    bottleneck_up,
-    copy_to_tensor_model_parallel_region,
-    reduce_forward,
-    reduce_products,
-    split_project,
-)
+from megatron_boost.parallel.bottleneck import (BottleneckActivation, BottleneckGeometry,
+                                                down_project, split_project, up_project)
+from megatron_boost.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_forward
 from megatron_boost.parallel.online_rmsnorm import autograd_activation_grad, fold_norm_weight
 from megatron_boost.parallel.pipeline import PipelinePlan, pipelined_bottleneck
 from megatron_boost.parallel.wgrad import accumulation_target, column_parallel_a, row_parallel_b
-from megatron_boost.config.placement import GROUP_PROJECTIONS, Dim, Group, Norm, placement
 
 __all__ = [
     "cola_std",
     "cola_init_",
     "Projection",
+    "WeightFactor",
     "BottleneckGroup",
     "BoostBottleneckGroup",
     "NaiveBottleneckGroup",
     "BoostLinearQKV",
     "BoostLinearFC1",
-    "BoostLinearRow",
     "BoostLinearProj",
     "BoostLinearFC2",
     "NaiveLinearQKV",
     "NaiveLinearFC1",
-    "NaiveLinearRow",
     "NaiveLinearProj",
     "NaiveLinearFC2",
 ]
@@ -105,11 +102,35 @@ class Projection:
     """Global output size d_out."""
 
 
+class WeightFactor(str, enum.Enum):
+    """A factor of the bottleneck y = B·σ(A·x). Its global shape and split axis are the
+    placement table's (``config/placement.py``); its parameter is the attribute of its name."""
+
+    A = "A"
+    B = "B"
+
+    def placed(self, mode: TPMode, group: Group):
+        """The table's ``Factor`` entry (global dims and split axis) of this factor."""
+        entry = placement(mode, group)
+        return entry.a if self is WeightFactor.A else entry.b
+
+    def init_method(self, config: BoostTransformerConfig):
+        """megatron's init of this factor's master: A reads the layer input, B writes the
+        output (the scaled output-layer init where megatron applies it)."""
+        return config.init_method if self is WeightFactor.A else config.output_layer_init_method
+
+
+#: The hidden axis of the residual stream [s, b, d]: a stream split along it reaches a column
+#: group as hidden shards, so its fused norm gathers the statistic over the ranks.
+_HIDDEN_AXIS = 2
+
+
 class BottleneckGroup(MegatronModule):
     """A group of bottleneck projections y_p = B_p·σ(A_p·x) sharing one input.
 
-    Subclasses fix the mode and the group, and write the forward; the sharding (``_a_axis``,
-    ``_b_axis``) and whether the input norm is fused come from the placement table
+    Subclasses fix the mode and the group, and write the forward; every split (the factors'
+    :meth:`split_axis` and shapes, γ's width and axis, whether the stream arrives as hidden
+    shards) and whether the input norm is fused come from the placement table
     (``config/placement.py``). With megatron's ``perform_initialization`` the global weights
     are drawn on the CPU, one master tensor per factor in a fixed order (A_p then B_p for each
     projection), and sliced: the same seed gives the same global weights in every mode and at
@@ -126,14 +147,6 @@ class BottleneckGroup(MegatronModule):
     mode: TPMode
     group: Group
 
-    @property
-    def _a_axis(self) -> int:
-        return placement(self.mode, self.group).a.split
-
-    @property
-    def _b_axis(self) -> int:
-        return placement(self.mode, self.group).b.split
-
     def __init__(self, config: BoostTransformerConfig, input_size: int,
                  projections: Sequence[Projection], tp_group):
         super().__init__(config=config)
@@ -143,39 +156,63 @@ class BottleneckGroup(MegatronModule):
         self.tp_size = get_pg_size(tp_group)
         self.tp_rank = get_pg_rank(tp_group)
         self.activation = get_bottleneck_activation(config.bottleneck_activation)
-        fuse_norm = self.fuse_norm = placement(self.mode, self.group).norm is Norm.FUSED
+        self.fuse_norm = placement(self.mode, self.group).norm is Norm.FUSED
         self.eps = config.layernorm_epsilon
         self._check_divisible()
         device = (torch.device("cpu") if config.use_cpu_initialization
                   or not torch.cuda.is_available() else torch.cuda.current_device())
-        # Local rows of each projection's factor in the grouped A and the grouped B: boost
-        # shards d_in and d_out, so A's rows (r) are whole and B's (d_out) split; naive shards
-        # the rank, so A's rows are split and B's whole.
-        self._a_rows = [p.rank if self._a_axis == 1 else p.rank // self.tp_size
-                        for p in self.projections]
-        self._b_rows = [p.out_size // self.tp_size if self._b_axis == 0 else p.out_size
-                        for p in self.projections]
-        a_shards, b_shards = [], []
+        shards: Dict[WeightFactor, List[torch.Tensor]] = {f: [] for f in WeightFactor}
         for p in self.projections:  # drawn in the order A_p, B_p (same seed, same weights)
-            a_shards.append(self._initial_shard(p.rank, input_size, self._a_axis,
-                                                config.init_method, p, device))
-            b_shards.append(self._initial_shard(p.out_size, p.rank, self._b_axis,
-                                                config.output_layer_init_method, p, device))
+            for factor in WeightFactor:
+                shards[factor].append(self._initial_shard(factor, p, device))
         # Each factor of the group stored as ONE parameter, the projections' factors stacked by
         # rows: A [Σ local r, local d_in], B [Σ local d_out, local r] (a group shares one
         # rank). The A GEMM reads A as it is; the B GEMMs read row views of B, one batched
         # GEMM when the projections have equal shapes (docs/design.md §4). Checkpoints still
-        # hold A_<p>, B_<p> (sharded_state_dict); factors("A"), factors("B") are the row views.
-        self.A = self._grouped_parameter(a_shards, self._a_axis)
-        self.B = self._grouped_parameter(b_shards, self._b_axis)
-        if fuse_norm:
-            # γ of the fused RMSNorm, sharded like the hidden stream it scales.
-            gamma = torch.ones(input_size // self.tp_size, device=device,
-                               dtype=config.params_dtype)
-            self.layer_norm_weight = torch.nn.Parameter(gamma)
-            set_tensor_model_parallel_attributes(self.layer_norm_weight, True, 0, 1)
+        # hold A_<p>, B_<p> (sharded_state_dict); factors(A), factors(B) are the row views.
+        for factor in WeightFactor:
+            setattr(self, factor.value, self._grouped_parameter(shards[factor],
+                                                                self.split_axis(factor)))
+        if self.fuse_norm:
+            self.layer_norm_weight = self._norm_weight(device)
 
-    # -- helpers ---------------------------------------------------------------------------
+    # -- shapes, from the placement table ---------------------------------------------------
+
+    def split_axis(self, factor: WeightFactor) -> Optional[int]:
+        """The axis of ``factor`` sharded over the TP group (the table's entry)."""
+        return factor.placed(self.mode, self.group).split
+
+    def _global_shape(self, factor: WeightFactor, p: Projection) -> Tuple[int, int]:
+        """[rows, cols] of projection ``p``'s factor, in the table's dims (A: [r, d_in],
+        B: [d_out, r])."""
+        placed = factor.placed(self.mode, self.group)
+        sizes = {Dim.D_IN: self.input_size, Dim.D_OUT: p.out_size, Dim.RANK: p.rank}
+        return sizes[placed.rows], sizes[placed.cols]
+
+    def _local_shape(self, factor: WeightFactor, p: Projection) -> Tuple[int, int]:
+        """This rank's [rows, cols] of projection ``p``'s factor: its split axis divided."""
+        shape = list(self._global_shape(factor, p))
+        axis = self.split_axis(factor)
+        if axis is not None:
+            shape[axis] //= self.tp_size
+        return shape[0], shape[1]
+
+    def _local_rows(self, factor: WeightFactor) -> List[int]:
+        """Each projection's rows of the grouped factor (boost: A's whole r, B's d_out/t;
+        naive: A's r/t, B's whole d_out)."""
+        return [self._local_shape(factor, p)[0] for p in self.projections]
+
+    def _latent_widths(self) -> List[int]:
+        """Each projection's local columns of the latent z (B's local columns: boost's whole
+        r, naive's r/t)."""
+        return [self._local_shape(WeightFactor.B, p)[1] for p in self.projections]
+
+    def _stream_is_sharded(self) -> bool:
+        """The residual stream reaches this group as hidden shards over more than one rank
+        (the table's STREAM entry): the fused norm's statistic must be gathered."""
+        return tensor_split(self.mode, Tensor.STREAM) == _HIDDEN_AXIS and self.tp_size > 1
+
+    # -- parameters -------------------------------------------------------------------------
 
     @staticmethod
     def _grouped_parameter(shards: List[torch.Tensor], axis: int) -> torch.nn.Parameter:
@@ -183,26 +220,31 @@ class BottleneckGroup(MegatronModule):
         set_tensor_model_parallel_attributes(param, is_parallel=True, dim=axis, stride=1)
         return param
 
-    def _rows(self, which: str) -> List[int]:
-        return self._a_rows if which == "A" else self._b_rows
-
-    def _initial_shard(self, rows: int, cols: int, axis: int, init, p: Projection,
-                       device) -> torch.Tensor:
-        """This rank's shard of a factor with global shape [rows, cols]: drawn as the global
-        master and sliced, or left uninitialised without megatron's ``perform_initialization``
-        (the layout-independent init then writes it, docs/design.md §8)."""
+    def _initial_shard(self, factor: WeightFactor, p: Projection, device) -> torch.Tensor:
+        """This rank's shard of projection ``p``'s factor: drawn as the global master and
+        sliced, or left uninitialised without megatron's ``perform_initialization`` (the
+        layout-independent init then writes it, docs/design.md §8)."""
         dtype = self.config.params_dtype
         if not self.config.perform_initialization:
-            shape = [rows, cols]
-            shape[axis] //= self.tp_size
-            return torch.empty(shape, device=device, dtype=dtype)
-        master = torch.empty(rows, cols, dtype=torch.float32)
+            return torch.empty(self._local_shape(factor, p), device=device, dtype=dtype)
+        master = torch.empty(*self._global_shape(factor, p), dtype=torch.float32)
         if self.config.cola_init:
             cola_init_(master, p.rank, self.input_size, p.out_size)
         else:
-            init(master)
-        local = master.chunk(self.tp_size, dim=axis)[self.tp_rank]
+            factor.init_method(self.config)(master)
+        local = master.chunk(self.tp_size, dim=self.split_axis(factor))[self.tp_rank]
         return local.to(device=device, dtype=dtype).contiguous()
+
+    def _norm_weight(self, device) -> torch.nn.Parameter:
+        """γ of the fused RMSNorm, [d] split as the table's NORM_WEIGHT entry says (boost:
+        sharded like the hidden stream it scales, [d/t])."""
+        split = tensor_split(self.mode, Tensor.NORM_WEIGHT)
+        width = self.input_size // self.tp_size if split == 0 else self.input_size
+        gamma = torch.nn.Parameter(torch.ones(width, device=device,
+                                              dtype=self.config.params_dtype))
+        if split is not None:
+            set_tensor_model_parallel_attributes(gamma, True, split, 1)
+        return gamma
 
     def _check_divisible(self):
         """Every size the placement table splits divides by the TP size (boost: d_in and
@@ -218,31 +260,12 @@ class BottleneckGroup(MegatronModule):
                                               for dim in Dim if dim in split
                                               for what, size in sizes[dim]], self.mode)
 
-    def factors(self, which: str) -> List[torch.Tensor]:
+    def factors(self, which) -> List[torch.Tensor]:
         """The local factors of the projections, in order: the row views of the grouped A
-        ([local r_p, local d_in] each) or B ([local d_out_p, local r_p])."""
-        return list(getattr(self, which).split(self._rows(which), dim=0))
-
-    def local(self, name: str, grad: bool = False) -> Optional[torch.Tensor]:
-        """This rank's tensor of a global parameter name (A_<p>, B_<p>, layer_norm_weight),
-        or its gradient: A_<p>, B_<p> are their rows of the grouped factor."""
-        which = name[0]
-        if not name.startswith(("A_", "B_")):
-            param = getattr(self, name)
-            return param.grad if grad else param
-        grouped = getattr(self, which)
-        source = grouped.grad if grad else grouped
-        if source is None:
-            return None
-        i = [f"{which}_{p.name}" for p in self.projections].index(name)
-        return source.split(self._rows(which), dim=0)[i]
-
-    def axis_of(self, name: str) -> int:
-        """The axis along which a global parameter (A_<p>, B_<p>, layer_norm_weight) is
-        sharded over the TP group."""
-        if name.startswith("A_"):
-            return self._a_axis
-        return self._b_axis if name.startswith("B_") else 0  # γ: sharded like the hidden
+        ([local r_p, local d_in] each) or B ([local d_out_p, local r_p]); ``which``: a
+        :class:`WeightFactor` or its name."""
+        factor = WeightFactor(which)
+        return list(getattr(self, factor.value).split(self._local_rows(factor), dim=0))
 
     def outputs(self, outs: Sequence[torch.Tensor]):
         """The group's result: the one projection's output, or the tuple of every projection's
@@ -258,26 +281,28 @@ class BottleneckGroup(MegatronModule):
         factor is saved as its per-projection pieces through a ShardedTensorFactory, as
         megatron saves its fused gated fc1 (split when saving, concatenated when loading)."""
         state = self.state_dict(prefix="", keep_vars=True)
-        grouped = {which: state.pop(which) for which in ("A", "B")}
-        axis_map = {"layer_norm_weight": 0} if self.fuse_norm else {}
+        grouped = {factor: state.pop(factor.value) for factor in WeightFactor}
+        norm_split = tensor_split(self.mode, Tensor.NORM_WEIGHT)
+        axis_map = ({"layer_norm_weight": norm_split}
+                    if self.fuse_norm and norm_split is not None else {})
         dp_cp_group = (metadata or {}).get("dp_cp_group")
         if dp_cp_group is None:
             dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         sd = make_sharded_tensors_for_checkpoint(
             state, prefix, axis_map, sharded_offsets, tp_group=self.tp_group,
             dp_cp_group=dp_cp_group)
-        for which, tensor in grouped.items():
-            sd[f"{prefix}{which}"] = self._grouped_factory(which, f"{prefix}{which}", tensor,
-                                                           sharded_offsets, dp_cp_group)
+        for factor, tensor in grouped.items():
+            key = f"{prefix}{factor.value}"
+            sd[key] = self._grouped_factory(factor, key, tensor, sharded_offsets, dp_cp_group)
         return sd
 
-    def _grouped_factory(self, which: str, key: str, grouped: torch.Tensor, sharded_offsets,
-                         dp_cp_group) -> ShardedTensorFactory:
+    def _grouped_factory(self, factor: WeightFactor, key: str, grouped: torch.Tensor,
+                         sharded_offsets, dp_cp_group) -> ShardedTensorFactory:
         """A grouped factor ([Σ rows, cols]) as the ShardedTensors ``<key>_<p>`` (A_q, A_k,
         ...; B_q, ...; the optimizer's state prefixes ``key``), each sharded along the
         factor's axis."""
-        names, rows = [p.name for p in self.projections], self._rows(which)
-        axis = self._a_axis if which == "A" else self._b_axis
+        names, rows = [p.name for p in self.projections], self._local_rows(factor)
+        axis = self.split_axis(factor)
 
         def sharded(key_p, tensor, replica_id=None):
             return make_tp_sharded_tensor_for_checkpoint(
@@ -316,7 +341,7 @@ class BoostBottleneckGroup(BottleneckGroup):
     mode = TPMode.BOOST
     batched_up = False
     """One batched GEMM for the B factors (equal shapes): only where the consumer keeps every
-    output, since the outputs share one buffer (``bottleneck_up``)."""
+    output, since the outputs share one buffer (``BottleneckGeometry.batched``)."""
 
     def __init__(self, config: BoostTransformerConfig, input_size: int,
                  projections: Sequence[Projection], tp_group):
@@ -330,47 +355,46 @@ class BoostBottleneckGroup(BottleneckGroup):
 
     def forward(self, x: torch.Tensor):
         x_in, w, with_statistic = self._a_side(x)
+        geometry = self._geometry()
         if self.config.bottleneck_overlap_chunks > 1:  # one pipeline over blocks of tokens
-            return self.outputs(pipelined_bottleneck(x_in, w, self.B, self._plan(with_statistic)))
+            return self.outputs(pipelined_bottleneck(x_in, w, self.B,
+                                                     self._plan(geometry, with_statistic)))
         # [s, b, Σr] and the fp32 [s, b, 1] sum of squares (None unless the fused norm
         # gathers it), complete on every rank: ONE GEMM for the group's A factors and ONE
         # all-reduce of the partial products; fwd AR(Σr (+1)), bwd identity (then the GEMMs'
-        # backward). Low-rank activation checkpointing serves both from its log, through the
-        # mappings (docs/design.md §7).
-        fuse = self.config.bottleneck_grad_accumulation_fusion
-        products, sumsq = (reduce_products(x_in, w, self.tp_group, True, fuse)
-                           if with_statistic
-                           else (reduce_products(x_in, w, self.tp_group, False, fuse), None))
+        # backward). Low-rank activation checkpointing serves both from its log, inside
+        # down_project (docs/design.md §7).
+        reduced = down_project(x_in, w, self.tp_group, with_statistic, geometry.fuse_wgrad)
+        products, sumsq = reduced if with_statistic else (reduced, None)
         # scale and σ, then the B factors; bwd: AR(Σr) of dz, overlapped with dB.
-        return self.outputs(bottleneck_up(
-            products, sumsq, self.B, self._b_rows, [p.rank for p in self.projections],
-            self.tp_group, self._activation, self.config.overlap_bottleneck_grad_reduce,
-            batched=self.batched_up, fuse_wgrad=fuse))
+        return self.outputs(up_project(products, sumsq, self.B, geometry))
+
+    def _geometry(self) -> BottleneckGeometry:
+        """The group's B side besides its tensors (``parallel/bottleneck.py``)."""
+        return BottleneckGeometry(
+            group=self.tp_group, rows=tuple(self._local_rows(WeightFactor.B)),
+            ranks=tuple(self._latent_widths()), activation=self._activation,
+            overlap=self.config.overlap_bottleneck_grad_reduce, batched=self.batched_up,
+            fuse_wgrad=self.config.bottleneck_grad_accumulation_fusion)
 
     def _a_side(self, x: torch.Tensor):
         """(input, factor, whether the statistic is gathered) of the group's A GEMM. With the
-        fused norm at t > 1, A is scaled by γ (weight-sized) and online-RMSNorm's fp32
-        statistic rides with the products (``parallel/online_rmsnorm.py``); at t = 1 the whole
-        hidden vector is here: a plain fused RMSNorm in front of the GEMM."""
+        fused norm on hidden shards, A is scaled by γ (weight-sized) and online-RMSNorm's fp32
+        statistic rides with the products (``parallel/online_rmsnorm.py``); on the whole hidden
+        vector (t = 1) there is nothing to gather: a plain fused RMSNorm before the GEMM."""
         if not self.fuse_norm:
             return x, self.A, False
-        if self.tp_size == 1:
+        if not self._stream_is_sharded():
             return F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), self.A, False
         folded = fold_norm_weight(self.A, self.layer_norm_weight,
                                   self.config.bottleneck_grad_accumulation_fusion)
         return x, folded, True  # [Σr, d/t]
 
-    def _plan(self, with_statistic: bool) -> PipelinePlan:
+    def _plan(self, geometry: BottleneckGeometry, with_statistic: bool) -> PipelinePlan:
         """``parallel.bottleneck_overlap_chunks`` > 1: the group's pipeline
         (``parallel/pipeline.py``)."""
-        ranks = [p.rank for p in self.projections]
-        shared = self.batched_up and len(set(self._b_rows)) == 1 and len(set(ranks)) == 1
-        return PipelinePlan(
-            group=self.tp_group, chunks=self.config.bottleneck_overlap_chunks,
-            rows=tuple(self._b_rows), ranks=tuple(ranks), activation=self._activation,
-            with_statistic=with_statistic,
-            overlap_backward=self.config.overlap_bottleneck_grad_reduce, shared_output=shared,
-            fuse_wgrad=self.config.bottleneck_grad_accumulation_fusion)
+        return PipelinePlan(geometry=geometry, chunks=self.config.bottleneck_overlap_chunks,
+                            with_statistic=with_statistic)
 
 
 class NaiveBottleneckGroup(BottleneckGroup):
@@ -392,21 +416,21 @@ class NaiveBottleneckGroup(BottleneckGroup):
             return out
         return self.outputs(out.split([p.out_size for p in self.projections], dim=-1))
 
-    def _main_grad(self, which: str, dtype) -> Optional[torch.Tensor]:
+    def _main_grad(self, factor: WeightFactor, dtype) -> Optional[torch.Tensor]:
         """The factor's main_grad when its weight-gradient GEMM accumulates into it
         (``parallel/wgrad.py``), else None."""
-        return accumulation_target(getattr(self, which),
+        return accumulation_target(getattr(self, factor.value),
                                    self.config.bottleneck_grad_accumulation_fusion, dtype)
 
     def _row_parallel_b(self, h: torch.Tensor) -> torch.Tensor:
         """The projections' B GEMMs side by side, [s, b, Σ d_out]: each writing its columns of
         one buffer, dB accumulated in B's main_grad, with the fusion; else one GEMM per
         projection and their concatenation."""
-        ranks = [p.rank // self.tp_size for p in self.projections]
-        main_grad = self._main_grad("B", h.dtype)
+        ranks = self._latent_widths()  # r_p/t each
+        main_grad = self._main_grad(WeightFactor.B, h.dtype)
         if main_grad is not None:
-            return row_parallel_b(h, self.B, main_grad, self._b_rows, ranks)
-        outs = split_project(h, self.factors("B"), ranks)
+            return row_parallel_b(h, self.B, main_grad, self._local_rows(WeightFactor.B), ranks)
+        outs = split_project(h, self.factors(WeightFactor.B), ranks)
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def _column_parallel_a(self, x: torch.Tensor) -> torch.Tensor:
@@ -415,7 +439,7 @@ class NaiveBottleneckGroup(BottleneckGroup):
         else issued first as in the plain autograd graph; with the gradient accumulation
         fusion, dA accumulates in A's main_grad (``parallel/wgrad.py``)."""
         a = self.A  # [Σr/t, d_in]
-        main_grad = self._main_grad("A", x.dtype)
+        main_grad = self._main_grad(WeightFactor.A, x.dtype)
         if main_grad is not None:
             return column_parallel_a(x, a, main_grad, self.tp_group,
                                      self.config.overlap_bottleneck_grad_reduce)
@@ -430,32 +454,22 @@ class NaiveBottleneckGroup(BottleneckGroup):
 # ---------------------------------------------------------------------------------------------
 
 
-def _reject_bias(bias: bool, cls_name: str):
-    if bias:
-        raise ValueError(f"{cls_name}: bottleneck layers have no bias; set add_bias_linear "
-                         f"(and add_qkv_bias) to False")
-
-
-class _QKVMixin:
+def _qkv_projections(config, output_size) -> List[Projection]:
     """q, k, v of one attention layer: ``linear_qkv`` returns the three as they come out of
     their B factors, [s, b, np/t·hn], [s, b, ng/t·hn], [s, b, ng/t·hn] (query heads in
     megatron's order: a group's np/ng heads together), and ``BottleneckSelfAttention``
     (``model/blocks.py``) views them as heads, with no fused-layout concatenation."""
-
-    def _qkv_projections(self, config, input_size, output_size):
-        hn = config.kv_channels
-        ng = config.num_query_groups or config.num_attention_heads
-        q_out, kv_out = config.num_attention_heads * hn, ng * hn
-        if output_size != q_out + 2 * kv_out:
-            raise ValueError(f"linear_qkv output_size ({output_size}) must equal heads·hn + "
-                             f"2·groups·hn ({q_out + 2 * kv_out})")
-        r = config.attn_rank
-        return [Projection("q", r, q_out), Projection("k", r, kv_out),
-                Projection("v", r, kv_out)]
+    hn = config.kv_channels
+    ng = config.num_query_groups or config.num_attention_heads
+    q_out, kv_out = config.num_attention_heads * hn, ng * hn
+    if output_size != q_out + 2 * kv_out:
+        raise ValueError(f"linear_qkv output_size ({output_size}) must equal heads·hn + "
+                         f"2·groups·hn ({q_out + 2 * kv_out})")
+    r = config.attn_rank
+    return [Projection("q", r, q_out), Projection("k", r, kv_out), Projection("v", r, kv_out)]
 
 
-
-def _fc1_projections(config, output_size):
+def _fc1_projections(config, output_size) -> List[Projection]:
     ffn = output_size // 2
     if output_size != 2 * config.ffn_hidden_size:
         raise ValueError(f"linear_fc1 output_size ({output_size}) must be 2·ffn_hidden_size "
@@ -464,147 +478,75 @@ def _fc1_projections(config, output_size):
     return [Projection("gate", config.mlp_rank, ffn), Projection("up", config.mlp_rank, ffn)]
 
 
-def _row_projection(config, group: Group, output_size):
-    """The one projection of a row group (proj: o, fc2: down), at its group's rank."""
+def _slot_projections(config, group: Group, output_size) -> List[Projection]:
+    """The projections of a slot's group; a row group (proj: o, fc2: down) has one, at its
+    group's rank."""
+    if group is Group.QKV:
+        return _qkv_projections(config, output_size)
+    if group is Group.FC1:
+        return _fc1_projections(config, output_size)
     rank = config.attn_rank if group.rank_kind == "attn" else config.mlp_rank
     return [Projection(GROUP_PROJECTIONS[group][0], rank, output_size)]
 
 
-class BoostLinearQKV(_QKVMixin, BoostBottleneckGroup):
-    """boost ``linear_qkv``: fused online-RMSNorm + q, k, v bottlenecks.
+class _LinearSlot:
+    """megatron-core's constructor contract of a linear slot (docs/design.md §10.7): called as
+    megatron calls ``linear_qkv`` / ``linear_fc1`` (``gather_output``) and ``linear_proj`` /
+    ``linear_fc2`` (``input_is_parallel``), returning ``(output, None)``: no bias.
 
-    Input [s, b, d/t] hidden-sharded; output [s, b, ng/t·(np/ng + 2)·hn] head-sharded.
-    """
-
-    group = Group.QKV
-
-    def __init__(self, input_size, output_size, *, config, init_method=None,
-                 gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
-                 tp_comm_buffer_name=None, tp_group=None, **kwargs):
-        _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size,
-                         self._qkv_projections(config, input_size, output_size), tp_group)
-
-    def forward(self, x):
-        return super().forward(x), None
-
-
-class BoostLinearFC1(BoostBottleneckGroup):
-    """boost ``linear_fc1``: fused online-RMSNorm + gate, up bottlenecks.
-
-    Input [s, b, d/t] hidden-sharded; output [s, b, 2·f/t] = [gate_local; up_local].
-    """
-
-    group = Group.FC1
-    # The MLP's product keeps gate and up for its backward, so one buffer for both costs no
-    # memory. (Attention keeps only v, RoPE replaces q and k: one buffer for q, k, v would
-    # keep q and k alive, so linear_qkv runs a GEMM per projection.)
-    batched_up = True
-
-    def __init__(self, input_size, output_size, *, config, init_method=None,
-                 gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
-                 tp_comm_buffer_name=None, tp_group=None, **kwargs):
-        _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _fc1_projections(config, output_size), tp_group)
-
-    def forward(self, x):
-        return super().forward(x), None
-
-
-class BoostLinearRow(BoostBottleneckGroup):
-    """boost ``linear_proj`` / ``linear_fc2``: head- or ffn-sharded input [s, b, in/t],
-    hidden-sharded output [s, b, d/t] (added to the sharded residual stream). The group, and
-    so the rank, is the subclass's: :class:`BoostLinearProj`, :class:`BoostLinearFC2`."""
-
-    def __init__(self, input_size, output_size, *, config, init_method=None, bias=False,
-                 input_is_parallel=True, skip_bias_add=True, is_expert=False,
-                 tp_comm_buffer_name=None, tp_group=None, **kwargs):
-        _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _row_projection(config, self.group, output_size),
-                         tp_group)
-
-    def forward(self, x):
-        return super().forward(x), None
-
-
-class BoostLinearProj(BoostLinearRow):
-    """boost ``linear_proj``: the o bottleneck (attention rank)."""
-
-    group = Group.PROJ
-
-
-class BoostLinearFC2(BoostLinearRow):
-    """boost ``linear_fc2``: the down bottleneck (MLP rank)."""
-
-    group = Group.FC2
-
-
-class _NaiveSlot:
-    """Naive slots run attention and the MLP on replicated tensors, so the module that builds
+    Naive slots run attention and the MLP on replicated tensors, so the module that builds
     them believes TP=1 (its ``tp_group`` has one rank). The bottleneck's own TP group comes
     from the layer spec as ``bottleneck_tp_group``; without it ``tp_group`` is used (a layer
-    built on its own, as in the layer tests)."""
+    built on its own, as in the layer tests; boost's spec never passes one)."""
 
-    @staticmethod
-    def _group(tp_group, bottleneck_tp_group):
-        return bottleneck_tp_group if bottleneck_tp_group is not None else tp_group
-
-
-class NaiveLinearQKV(_QKVMixin, _NaiveSlot, NaiveBottleneckGroup):
-    """naive ``linear_qkv``: replicated [s, b, d] in, replicated fused qkv [s, b, 3d (MHA)] out."""
-
-    group = Group.QKV
-
-    def __init__(self, input_size, output_size, *, config, init_method=None,
-                 gather_output=False, bias=False, skip_bias_add=False, is_expert=False,
-                 tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
-        _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size,
-                         self._qkv_projections(config, input_size, output_size),
-                         self._group(tp_group, bottleneck_tp_group))
-
-    def forward(self, x):
-        return super().forward(x), None
-
-
-class NaiveLinearFC1(_NaiveSlot, NaiveBottleneckGroup):
-    """naive ``linear_fc1``: replicated [s, b, d] in, replicated [s, b, 2f] = [gate; up] out."""
-
-    group = Group.FC1
-
-    def __init__(self, input_size, output_size, *, config, init_method=None,
-                 gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
-                 tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
-        _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _fc1_projections(config, output_size),
-                         self._group(tp_group, bottleneck_tp_group))
-
-    def forward(self, x):
-        return super().forward(x), None
-
-
-class NaiveLinearRow(_NaiveSlot, NaiveBottleneckGroup):
-    """naive ``linear_proj`` / ``linear_fc2``: replicated in, replicated [s, b, d] out. The
-    group is the subclass's: :class:`NaiveLinearProj`, :class:`NaiveLinearFC2`."""
+    group: Group
 
     def __init__(self, input_size, output_size, *, config, init_method=None, bias=False,
-                 input_is_parallel=True, skip_bias_add=True, is_expert=False,
-                 tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
-        _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _row_projection(config, self.group, output_size),
-                         self._group(tp_group, bottleneck_tp_group))
+                 skip_bias_add=False, is_expert=False, tp_comm_buffer_name=None,
+                 tp_group=None, bottleneck_tp_group=None, **kwargs):
+        if bias:
+            raise ValueError(f"{type(self).__name__}: bottleneck layers have no bias; set "
+                             f"add_bias_linear (and add_qkv_bias) to False")
+        group = bottleneck_tp_group if bottleneck_tp_group is not None else tp_group
+        super().__init__(config, input_size,
+                         _slot_projections(config, self.group, output_size), group)
 
     def forward(self, x):
         return super().forward(x), None
 
 
-class NaiveLinearProj(NaiveLinearRow):
-    """naive ``linear_proj``: the o bottleneck (attention rank)."""
-
-    group = Group.PROJ
+_GROUP_CLASSES = {TPMode.BOOST: BoostBottleneckGroup, TPMode.NAIVE: NaiveBottleneckGroup}
 
 
-class NaiveLinearFC2(NaiveLinearRow):
-    """naive ``linear_fc2``: the down bottleneck (MLP rank)."""
+def _slot(name: str, mode: TPMode, group: Group, doc: str, **attrs) -> type:
+    """THE slot factory: the class megatron's spec puts in ``group``'s linear slot for
+    ``mode``, the mode's group class under the slot contract of :class:`_LinearSlot`. Named at
+    module level, so the specs import it and it pickles."""
+    namespace = {"group": group, "__doc__": doc, "__module__": __name__,
+                 "__qualname__": name, **attrs}
+    return type(name, (_LinearSlot, _GROUP_CLASSES[mode]), namespace)
 
-    group = Group.FC2
+
+BoostLinearQKV = _slot("BoostLinearQKV", TPMode.BOOST, Group.QKV, """boost ``linear_qkv``:
+    fused online-RMSNorm + q, k, v bottlenecks. Input [s, b, d/t] hidden-sharded; output
+    [s, b, np/t·hn], [s, b, ng/t·hn] twice, head-sharded (attention keeps only v, RoPE replaces
+    q and k: one buffer for the three would keep q and k alive, so a GEMM per projection).""")
+BoostLinearFC1 = _slot("BoostLinearFC1", TPMode.BOOST, Group.FC1, """boost ``linear_fc1``:
+    fused online-RMSNorm + gate, up bottlenecks. Input [s, b, d/t] hidden-sharded; output
+    [s, b, f/t] twice (gate, up): the MLP's product keeps both for its backward, so one
+    batched GEMM writing one buffer costs no memory.""", batched_up=True)
+BoostLinearProj = _slot("BoostLinearProj", TPMode.BOOST, Group.PROJ, """boost ``linear_proj``:
+    the o bottleneck (attention rank); head-sharded input [s, b, np/t·hn], hidden-sharded
+    output [s, b, d/t] (added to the sharded residual stream).""")
+BoostLinearFC2 = _slot("BoostLinearFC2", TPMode.BOOST, Group.FC2, """boost ``linear_fc2``:
+    the down bottleneck (MLP rank); ffn-sharded input [s, b, f/t], hidden-sharded output
+    [s, b, d/t] (added to the sharded residual stream).""")
+NaiveLinearQKV = _slot("NaiveLinearQKV", TPMode.NAIVE, Group.QKV, """naive ``linear_qkv``:
+    replicated [s, b, d] in, replicated q, k, v out.""")
+NaiveLinearFC1 = _slot("NaiveLinearFC1", TPMode.NAIVE, Group.FC1, """naive ``linear_fc1``:
+    replicated [s, b, d] in, replicated gate, up [s, b, f] out.""")
+NaiveLinearProj = _slot("NaiveLinearProj", TPMode.NAIVE, Group.PROJ, """naive
+    ``linear_proj``: the o bottleneck (attention rank); replicated in, replicated [s, b, d]
+    out.""")
+NaiveLinearFC2 = _slot("NaiveLinearFC2", TPMode.NAIVE, Group.FC2, """naive ``linear_fc2``:
+    the down bottleneck (MLP rank); replicated in, replicated [s, b, d] out.""")

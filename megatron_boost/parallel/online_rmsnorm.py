@@ -8,7 +8,7 @@ boost's column layers fuse the pre-norm into their A GEMM,
 
 so each rank needs the product of its slice with the γ-scaled factor (a weight-sized scaling,
 :func:`fold_norm_weight`, in place of a token-sized γ ⊙ x) and its share of the statistic Σx²,
-summed over the TP group by the products' all-reduce (``parallel/mappings.py``). The statistic
+summed over the TP group by the products' all-reduce (``parallel/bottleneck.py``). The statistic
 is fp32 from x to 1/rms in every dtype. The regions:
 
 * :func:`sum_of_squares`: Σ_k x_k² of the local slice, fp32 [s, b, 1] (one read of x);

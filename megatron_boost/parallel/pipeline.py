@@ -35,6 +35,7 @@ from typing import List, Optional, Tuple
 import torch
 from megatron.core.utils import get_pg_size
 
+from megatron_boost.parallel.bottleneck import BottleneckActivation, BottleneckGeometry
 from megatron_boost.parallel.online_rmsnorm import statistic_rides_with_products, sum_of_squares
 from megatron_boost.parallel.recompute import active_log
 from megatron_boost.parallel.wgrad import accumulation_target, dummy_gradient, gemm_into
@@ -54,33 +55,43 @@ def row_blocks(rows_per_position: int, positions: int, chunks: int) -> List[Bloc
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """What a group's pipeline needs besides its tensors."""
+    """What a group's pipeline needs besides its tensors: the group's B side
+    (:class:`~megatron_boost.parallel.bottleneck.BottleneckGeometry`), the blocks and whether
+    the statistic rides."""
 
-    group: object
-    """The TP group the products and dz are all-reduced over."""
+    geometry: BottleneckGeometry
+    """The TP group, each projection's B rows and rank, σ, the backward overlap, the batched
+    (shared-output) GEMM and the gradient fusion."""
     chunks: int
     """Blocks of sequence positions."""
-    rows: Tuple[int, ...]
-    """Local rows of each projection's B factor (its output width)."""
-    ranks: Tuple[int, ...]
-    """Each projection's rank: its columns of P and z."""
-    activation: object
-    """The norm's scale and σ (``BottleneckActivation`` in ``parallel/mappings.py``)."""
     with_statistic: bool
     """Whether the fused norm's statistic is gathered with the products."""
-    overlap_backward: bool
-    """``overlap_bottleneck_grad_reduce``: dz's all-reduce asynchronous."""
-    shared_output: bool
-    """The projections' outputs in one buffer (equal shapes; fc1, as its batched GEMM)."""
-    fuse_wgrad: bool = False
-    """dW and dB accumulate in the factors' main_grad (``parallel/wgrad.py``)."""
+
+    @property
+    def group(self):
+        return self.geometry.group
+
+    @property
+    def rows(self) -> Tuple[int, ...]:
+        """Local rows of each projection's B factor (its output width)."""
+        return self.geometry.rows
+
+    @property
+    def activation(self) -> BottleneckActivation:
+        return self.geometry.activation
+
+    @property
+    def shared_output(self) -> bool:
+        """The projections' outputs in one buffer (equal shapes; fc1, as its batched GEMM)."""
+        return self.geometry.batched and self.geometry.equal_shapes()
 
     def reduces(self) -> bool:
         return get_pg_size(self.group) > 1
 
     def columns(self) -> List[Block]:
         """Each projection's (first, end) column of P and z."""
-        ends = [sum(self.ranks[:i + 1]) for i in range(len(self.ranks))]
+        ranks = self.geometry.ranks
+        ends = [sum(ranks[:i + 1]) for i in range(len(ranks))]
         return list(zip([0] + ends[:-1], ends))
 
 
@@ -174,8 +185,8 @@ class _PipelinedBottleneck(torch.autograd.Function):
             if plan.with_statistic and not statistic_rides_with_products(x.dtype):
                 log.record(sumsq)
         ctx.plan, ctx.blocks = plan, blocks
-        ctx.main_grads = (accumulation_target(w, plan.fuse_wgrad, x.dtype),
-                          accumulation_target(b, plan.fuse_wgrad, x.dtype))
+        ctx.main_grads = (accumulation_target(w, plan.geometry.fuse_wgrad, x.dtype),
+                          accumulation_target(b, plan.geometry.fuse_wgrad, x.dtype))
         ctx.save_for_backward(x, w, b, out, sumsq, *zs)
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in ys)  # [s, b, out_p/t] each
 
@@ -249,10 +260,10 @@ def _backward_blocks(x2d, w, b, out, sumsq, zs, grads, blocks: List[Block],
         handle = None
         if block is not None:
             _dz_block(grads, b, dz, block, plan)
-            handle = _all_reduce(dz[block[0]:block[1]], plan, async_op=plan.overlap_backward)
+            handle = _all_reduce(dz[block[0]:block[1]], plan, async_op=plan.geometry.overlap)
             _db_block(grads, zs[i], db, block, plan, accumulate=into_b or i > 0)
         if pending is not None:
-            if pending[1] is not None and plan.overlap_backward:
+            if pending[1] is not None and plan.geometry.overlap:
                 pending[1].wait()
             _a_backward_block(x2d, w, out, sumsq, dz, dx, dw, pending[0], plan,
                               accumulate=into_w or i > 1)

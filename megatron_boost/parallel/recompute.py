@@ -10,10 +10,10 @@ so a recompute never re-runs a collective and computes bitwise the same values.
 The layers do not know about it: their forward is written once. The log of the layer's forward
 reductions (:class:`ForwardReductions`) is the context of the collectives themselves
 (:func:`active_log`), set by :func:`lowrank_checkpoint` for the checkpointed forward and for the
-recompute only. The forward all-reduces of ``parallel/mappings.py`` (``reduce_forward``,
-``reduce_products``) and online-RMSNorm's statistic (``parallel/online_rmsnorm.py``) record their
-results into it, then replay them in issue order (boost's A side, ``reduce_products``, then
-skips its GEMM too: its backward needs only the input and the factor). Outside a checkpointed layer there is no log
+recompute only. The forward all-reduces (``reduce_forward`` in ``parallel/mappings.py``,
+``down_project`` in ``parallel/bottleneck.py``) and online-RMSNorm's statistic
+(``parallel/online_rmsnorm.py``) record their results into it, then replay them in issue order
+(boost's A side, ``down_project``, then skips its GEMM too: its backward needs only the input and the factor). Outside a checkpointed layer there is no log
 and they reduce normally.
 """
 

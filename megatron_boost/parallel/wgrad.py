@@ -111,7 +111,7 @@ def dummy_gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------
-# naive's factors (boost's accumulate in parallel/mappings.py and parallel/pipeline.py)
+# naive's factors (boost's accumulate in parallel/bottleneck.py and parallel/pipeline.py)
 # ---------------------------------------------------------------------------------------------
 
 
