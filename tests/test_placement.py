@@ -155,3 +155,28 @@ def test_the_gpu_checks_rank_shapes_follow_the_table(monkeypatch):
     monkeypatch.setitem(P.PLACEMENT, (TPMode.BOOST, P.Group.FC1),
                         P.PLACEMENT[(TPMode.NAIVE, P.Group.FC1)])
     assert sizes() == (d // TP, f, h // TP, SHAPE.attn_rank, SHAPE.mlp_rank // TP)
+
+
+def _split_size_names(mode):
+    """The names config/modes.py's TP-divisibility rule checks in ``mode``."""
+    from megatron_boost.config.modes import tp_sharded_sizes
+
+    return [name for name, _, _ in tp_sharded_sizes(
+        mode, hidden_size=SHAPE.hidden, ffn_hidden_size=SHAPE.ffn,
+        num_attention_heads=SHAPE.heads, num_query_groups=SHAPE.query_groups,
+        attn_rank=SHAPE.attn_rank, mlp_rank=SHAPE.mlp_rank)]
+
+
+def test_the_tp_divisibility_rule_follows_the_table(monkeypatch):
+    """tp_sharded_sizes lists the sizes the table's split axes fall on: boost's fc2 given
+    naive's placement adds the MLP rank; naive's stream split along d adds the hidden size."""
+    heads = ["num_attention_heads", "num_query_groups"]  # megatron's own rule, every mode
+    assert _split_size_names(TPMode.BOOST) == ["hidden_size", "ffn_hidden_size", *heads]
+    assert _split_size_names(TPMode.NAIVE) == ["attn_rank", "mlp_rank", *heads]
+    assert _split_size_names(TPMode.FULL) == ["ffn_hidden_size", *heads]
+    monkeypatch.setitem(P.PLACEMENT, (TPMode.BOOST, P.Group.FC2),
+                        P.PLACEMENT[(TPMode.NAIVE, P.Group.FC2)])
+    monkeypatch.setitem(P.TENSORS, (TPMode.NAIVE, P.Tensor.STREAM), P.TensorPlacement(2))
+    assert _split_size_names(TPMode.BOOST) == ["hidden_size", "mlp_rank", "ffn_hidden_size",
+                                               *heads]
+    assert _split_size_names(TPMode.NAIVE) == ["hidden_size", "attn_rank", "mlp_rank", *heads]

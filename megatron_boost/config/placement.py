@@ -36,7 +36,7 @@ __all__ = ["Group", "Dim", "Norm", "Factor", "Collective", "GroupPlacement", "PL
            "GROUPS", "GROUP_PROJECTIONS", "placement", "group_of_projection", "widths",
            "layer_collectives", "collective_widths", "local_factor_shapes",
            "placement_markdown", "Tensor", "TensorPlacement", "TENSORS", "tensor_split",
-           "tensors_markdown"]
+           "is_split", "tensor_local_shape", "split_dims", "tensors_markdown"]
 
 
 class Group(str, enum.Enum):
@@ -253,6 +253,36 @@ def tensor_split(mode, tensor: Tensor, *, sequence_parallel: bool = False,
     if tied and entry.tied_split is not None:
         return entry.tied_split
     return entry.split
+
+
+def is_split(mode, tensor: Tensor, **variant: bool) -> bool:
+    """Whether ``tensor`` is split over the TP ranks in ``mode`` (``variant``: the keywords of
+    :func:`tensor_split`)."""
+    return tensor_split(mode, tensor, **variant) is not None
+
+
+def tensor_local_shape(mode, tensor: Tensor, shape: Sequence[int], tp: int, *,
+                       divide: Callable = operator.floordiv, **variant: bool) -> tuple:
+    """``shape``, the global shape of ``tensor``, as one of ``tp`` ranks holds it in ``mode``:
+    the table's split axis divided by ``divide`` (``variant``: the keywords of
+    :func:`tensor_split`)."""
+    local = list(shape)
+    split = tensor_split(mode, tensor, **variant)
+    if split is not None:
+        local[split] = divide(local[split], tp)
+    return tuple(local)
+
+
+def split_dims(mode, group: Group) -> List[Dim]:
+    """The sizes of ``group`` (d_in, d_out, r) along which a factor of it is split in
+    ``mode``, in factor order (A then B), each once."""
+    entry = placement(mode, group)
+    dims: List[Dim] = []
+    for factor in filter(None, (entry.a, entry.b)):
+        if factor.split is not None:
+            dim = (factor.rows, factor.cols)[factor.split]
+            dims += [dim] if dim not in dims else []
+    return dims
 
 
 def placement(mode, group: Group) -> GroupPlacement:
