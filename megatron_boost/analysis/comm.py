@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
-from megatron_boost.config.placement import (GROUPS, Norm, collective_widths,
-                                               layer_collectives, placement)
+from megatron_boost.config.placement import (GROUPS, Norm, Tensor, collective_widths,
+                                               layer_collectives, placement,
+                                               tensor_local_shape)
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,7 @@ __all__ = ["MODES", "CROSS_ENTROPY_FP32_VALUES", "tp_collectives", "tp_comm_widt
            "head_collectives", "StepCommShape",
            "step_comm_bytes", "LayerCommSpec",
            "comm_summary", "measure_layer_comm", "measure_layer_comm_specs",
-           "layer_comm_worker", "build_decoder_layer"]
+           "layer_comm_worker", "build_decoder_layer", "layer_input_shape"]
 
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 #: megatron's vocab-parallel cross entropy all-reduces three fp32 values per token forward (the
@@ -315,6 +316,14 @@ def build_decoder_layer(config, pgs=None):
     return build_module(spec, config=config, layer_number=1, pg_collection=layer_pgs)
 
 
+def layer_input_shape(spec: LayerCommSpec, hidden_size: int) -> Tuple[int, int, int]:
+    """The measured layer's input on one rank, [s, b, d] split along d where the placement
+    table splits the stream (boost). The stream's sequence-parallel split is not applied: with
+    sequence parallelism the measurement's s positions are each rank's sequence shard."""
+    stream = (spec.seq_length, spec.micro_batch_size, hidden_size)
+    return tensor_local_shape(spec.mode, Tensor.STREAM, stream, spec.tp)
+
+
 def layer_comm_worker(rank: int, world: int, specs) -> Any:
     """In each of ``tp`` gloo processes: for each spec (one, or a list sharing one tp), build one
     decoder layer, run it forward and backward on [seq_length, micro_batch_size, width] random
@@ -339,7 +348,6 @@ def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_boost.config.modes import TPMode
     from megatron_boost.config.resolved import resolve_run, to_transformer_config
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -352,10 +360,10 @@ def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[
         dtype = run.params_dtype
         config = to_transformer_config(run)
         layer = build_decoder_layer(config)
-        d = config.hidden_size
-        width = d // spec.tp if config.tp_mode is TPMode.BOOST else d
+        shape = layer_input_shape(spec, config.hidden_size)
+        width = shape[-1]
         g = torch.Generator().manual_seed(spec.seed + rank)
-        x = torch.randn(spec.seq_length, spec.micro_batch_size, width, generator=g).to(dtype)
+        x = torch.randn(shape, generator=g).to(dtype)
         x.requires_grad_(True)
         log = measure_layer_comm(layer, x, tp_group)
         out = comm_summary(log, spec.seq_length * spec.micro_batch_size)

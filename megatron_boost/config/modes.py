@@ -156,15 +156,19 @@ def check_tp_split(mode, tp: int, **sizes) -> None:
 
 
 def check_pipeline_seq_length(mode, tp: int, pp: int, seq_length: int) -> None:
-    """boost with pipeline parallelism: stages exchange the hidden shard [s, b, d/t] as an
-    [s/t, b, d] p2p buffer (megatron's schedules size it from seq_length), so s must divide by
-    t. Checked by the run validation and when the model is driven (``model/gpt.py``)."""
-    if TPMode.parse(mode) is TPMode.BOOST and pp > 1 and seq_length % tp:
+    """A mode whose stream the placement table splits between stages (boost: the hidden
+    shard [s, b, d/t]) with pipeline parallelism: stages exchange it as an [s/t, b, d] p2p
+    buffer (megatron's schedules size it from seq_length), so s must divide by t. Checked by
+    the run validation and when the model is driven (``model/gpt.py``)."""
+    from megatron_boost.config.placement import Tensor, is_split  # see _table_split_sizes
+
+    mode = TPMode.parse(mode)
+    if is_split(mode, Tensor.STREAM) and pp > 1 and seq_length % tp:
         raise ValueError(
             f"seq_length ({seq_length}) must be divisible by tensor_model_parallel_size ({tp}) "
-            f"for boost with pipeline parallelism (pipeline size {pp}): stages exchange the "
-            f"[s, b, d/t] shard as an [s/t, b, d] buffer; choose a multiple of {tp} or another "
-            f"layout")
+            f"for {mode.value} with pipeline parallelism (pipeline size {pp}): stages exchange "
+            f"the [s, b, d/t] shard as an [s/t, b, d] buffer; choose a multiple of {tp} or "
+            f"another layout")
 
 
 # Why each low-rank mode refuses megatron's sequence parallelism (docs/design.md §2).

@@ -36,7 +36,7 @@ __all__ = ["Group", "Dim", "Norm", "Factor", "Collective", "GroupPlacement", "PL
            "GROUPS", "GROUP_PROJECTIONS", "placement", "group_of_projection", "widths",
            "layer_collectives", "collective_widths", "local_factor_shapes",
            "placement_markdown", "Tensor", "TensorPlacement", "TENSORS", "tensor_split",
-           "is_split", "tensor_local_shape", "split_dims", "tensors_markdown"]
+           "is_split", "local_numel", "tensor_local_shape", "split_dims", "tensors_markdown"]
 
 
 class Group(str, enum.Enum):
@@ -259,6 +259,13 @@ def is_split(mode, tensor: Tensor, **variant: bool) -> bool:
     """Whether ``tensor`` is split over the TP ranks in ``mode`` (``variant``: the keywords of
     :func:`tensor_split`)."""
     return tensor_split(mode, tensor, **variant) is not None
+
+
+def local_numel(mode, tensor: Tensor, numel, tp: int, **variant: bool):
+    """``numel`` elements of ``tensor`` (or a size proportional to them) as one of ``tp`` ranks
+    holds them in ``mode``: ``numel / tp`` where the table splits the tensor, else ``numel``
+    (``variant``: the keywords of :func:`tensor_split`)."""
+    return numel / tp if is_split(mode, tensor, **variant) else numel
 
 
 def tensor_local_shape(mode, tensor: Tensor, shape: Sequence[int], tp: int, *,
