@@ -17,7 +17,9 @@ sequence parallelism and with tied embeddings where those change it.
 
 Everything else reads it: the layers (``parallel/layers.py``) take their split axes from it, the
 communication formulas (``analysis/comm.py``), the perf model's GEMM shapes and parameters
-(``perf/model.py``) and the per-rank factor shapes (:func:`local_factor_shapes`) their sizes.
+(``perf/model.py``) and the per-rank factor shapes (:func:`local_factor_shapes`) their sizes;
+the TP-divisibility rule (``config/modes.py``), the model's embedding and pipeline views
+(``model/gpt.py``), Muon (``train/muon.py``), the op ledger and the FLOP count read it too.
 
 Plain Python on purpose, like ``config/modes.py``: ``--check`` and the perf model's layout
 checks import it without torch.
