@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
+from megatron_boost.config.modes import TPMode
 from megatron_boost.config.placement import (GROUPS, Norm, Tensor, collective_widths,
                                                layer_collectives, placement,
                                                tensor_local_shape)
@@ -91,11 +92,11 @@ def fp32_statistic_columns(mode: str, dtype: str) -> int:
     return sum(placement(mode, group).norm is Norm.FUSED for group in GROUPS)
 
 
-def _formula_text(shape: ModelShape, mode: str) -> Tuple[str, str]:
+def _formula_text(shape: ModelShape, mode: TPMode) -> Tuple[str, str]:
     """The symbolic (forward, backward) formula: the MHA shorthand where it applies."""
-    if mode == "full":
+    if mode is TPMode.FULL:
         return "2d", "2d"
-    if mode == "naive":
+    if mode is TPMode.NAIVE:
         mha = shape.g == shape.heads and shape.q_width == shape.hidden
         return ("5d + 2f", "3d + f") if mha else ("(h+2g)e + 2d + 2f", "2d + he + f")
     if shape.r_attn == shape.r_mlp:
@@ -110,7 +111,7 @@ def layer_comm_formula(cfg: Any, mode: str, dtype: str = "fp32") -> Dict[str, An
     formula."""
     shape = cfg if isinstance(cfg, ModelShape) else ModelShape.from_config(cfg)
     mode = check_mode(mode)
-    if mode == "boost" and (shape.attn_rank is None or shape.mlp_rank is None):
+    if mode is TPMode.BOOST and (shape.attn_rank is None or shape.mlp_rank is None):
         raise ValueError("boost mode needs attn_rank and mlp_rank")
     fwd, bwd = tp_comm_widths(shape, mode, dtype)
     text = _formula_text(shape, mode)
@@ -144,7 +145,7 @@ def embedding_collectives(shape: ModelShape, mode: str,
     backward, each recorded at its full width d
     (:func:`~megatron_boost.analysis.collectives.record_collectives`)."""
     d = shape.hidden
-    if check_mode(mode) != "boost":
+    if check_mode(mode) is not TPMode.BOOST:
         if sequence_parallel:
             return [("fwd", "reduce_scatter", d), ("bwd", "all_gather", d)]
         return [("fwd", "all_reduce", d)]
@@ -165,7 +166,7 @@ def head_collectives(shape: ModelShape, mode: str,
     d = shape.hidden
     if sequence_parallel:
         return [("fwd", "all_gather", d), ("bwd", "reduce_scatter", d), ("bwd", "all_gather", d)]
-    gather = [("fwd", "all_gather", d)] if check_mode(mode) == "boost" else []
+    gather = [("fwd", "all_gather", d)] if check_mode(mode) is TPMode.BOOST else []
     return gather + [("bwd", "all_reduce", d)]
 
 
@@ -222,7 +223,7 @@ def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
         return {"fwd": 0, "bwd": 0}
     mode = check_mode(mode)
     esize, d = _ELEMENT_BYTES[dtype], shape.hidden
-    sp = step.sequence_parallel and mode == "full"
+    sp = step.sequence_parallel and mode is TPMode.FULL
     layer_fwd, layer_bwd = layer_comm_bytes_per_token(shape, mode, dtype, sp)
     fwd = step.local_layers * layer_fwd
     bwd = step.local_layers * (layer_bwd + (layer_fwd if step.full_recompute else 0))

@@ -294,7 +294,7 @@ def _validate(shape: ModelShape, layout: Layout) -> None:
     rc = layout.recompute or "none"
     if rc not in RECOMPUTE:
         raise ValueError(f"unknown recompute '{rc}'; one of {RECOMPUTE}")
-    if rc == "lowrank" and mode == "full":
+    if rc == "lowrank" and not TPMode.parse(mode).is_lowrank:
         raise ValueError("recompute 'lowrank' needs a bottleneck model (mode naive or boost)")
     resolve_sequence_parallel(mode, t, layout.sequence_parallel)  # refuses SP outside full
     if p > shape.num_layers:
@@ -366,7 +366,7 @@ def _recompute_cost(st: _Setting, g_fwd: float, gB_fwd: float, a_fwd: float, el_
         return g_fwd + a_fwd + el_fwd, c_fwd
     # lowrank: the B GEMMs and the attention core (docs/design.md §7); naive's B outputs come
     # out of an all-reduce, so they are kept, not recomputed
-    return (a_fwd if st.layout.mode == "naive" else gB_fwd + a_fwd), 0.0
+    return (a_fwd if TPMode.parse(st.layout.mode) is TPMode.NAIVE else gB_fwd + a_fwd), 0.0
 
 
 def _exposed_tp_seconds(st: _Setting, ledger) -> Tuple[float, float]:
