@@ -240,6 +240,22 @@ def _hidden_sharded_embedding(monkeypatch):
             "gpt_embedding_axis": weight.partition_dim}
 
 
+def _sequence_parallel_seq_rule() -> bool:
+    """Whether the run validation refuses full rank with sequence parallelism at TP 2 on a
+    sequence TP does not divide (each rank would hold s/t positions)."""
+    from megatron_boost.config import validation
+    from megatron_boost.config.run import load_run_config
+
+    cfg = load_run_config("configs/debug.yaml", [
+        "parallel.mode=full", f"parallel.tp={TP}", "parallel.sequence_parallel=true"])
+    cfg.model.seq_length = TP * 8 + 1  # after loading, which validates
+    try:
+        validation._check_tp_split(cfg)
+    except ValueError as err:
+        return "sequence parallelism" in str(err)
+    return False
+
+
 def _tensor_consumers(monkeypatch):
     """What every consumer outside parallel/ makes of the tensors of TENSORS: the model's
     stream split between stages, its pipeline seq_length rule and its embedding table; the
@@ -254,7 +270,8 @@ def _tensor_consumers(monkeypatch):
     except ValueError:
         refused = True
     spec = ledger.LedgerSpec(shape=SHAPE, mode="boost", tp=TP, seq_length=16)
-    return {"gpt_stream": stream_split(TPMode.BOOST, TP), "pipeline_seq_rule": refused,
+    return {"sp_seq_rule": _sequence_parallel_seq_rule(),
+            "gpt_stream": stream_split(TPMode.BOOST, TP), "pipeline_seq_rule": refused,
             **_hidden_sharded_embedding(monkeypatch),
             "ledger_input": ledger.layer_input_shape(spec),
             "ledger_sp_input": ledger.layer_input_shape(dataclasses.replace(
@@ -280,7 +297,8 @@ def _replicated(mode, tensor, consumers):
     _replicated(TPMode.BOOST, P.Tensor.EMBEDDING, {"gpt_embedding_shape", "gpt_embedding_axis",
                                                     "perf_first", "perf_tied"}),
     _replicated(TPMode.BOOST, P.Tensor.HEAD, {"perf_last", "perf_head_gemm", "perf_logits"}),
-    _replicated(TPMode.FULL, P.Tensor.STREAM, {"ledger_sp_input", "perf_sp_stream"}),
+    _replicated(TPMode.FULL, P.Tensor.STREAM, {"ledger_sp_input", "perf_sp_stream",
+                                                  "sp_seq_rule"}),
 ])
 def test_every_consumer_follows_one_tensor_entry(monkeypatch, entry, changed, consumers):
     """One TENSORS entry made replicated changes exactly the consumers that read it, each of
