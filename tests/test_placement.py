@@ -46,10 +46,20 @@ def _consumers():
     gemm = work.gemms[-2]  # A of fc2 (then B_down)
     shapes = dict(P.local_factor_shapes(TPMode.BOOST, SHAPE.projections(TPMode.BOOST), TP))
     layer = _fc2_layer()
-    return {"comm": (fwd[-1], bwd[-1]), "perf_coll": (work.coll_fwd[-1], work.coll_bwd[-1]),
+    return {"muon_rows": _muon_rows(_fc2_layer()), "comm": (fwd[-1], bwd[-1]), "perf_coll": (work.coll_fwd[-1], work.coll_bwd[-1]),
             "perf_gemm": (gemm.N, gemm.K), "local_A": shapes["A_fc2"],
             "layer_axes": (axis_of(layer, "A_down"), axis_of(layer, "B_down")),
             "layer_norm": hasattr(layer, "layer_norm_weight"), **_sp_consumers()}
+
+
+def _muon_rows(layer):
+    """Muon's global rows of the layer's A and B: the local rows, times the TP size where the
+    table splits a factor's rows (the layer is built at TP 1, then told it has TP ranks)."""
+    from megatron_boost.train.muon import _global_factor_rows
+
+    layer.tp_size = TP
+    rows = _global_factor_rows([layer])
+    return rows[id(layer.A)], rows[id(layer.B)]
 
 
 def _sp_consumers():
@@ -70,7 +80,7 @@ def test_every_consumer_follows_one_entry(monkeypatch):
     rank's fc2 under sequence parallelism (a d-wide reduce-scatter forward, an all-gather
     backward), then with an f-wide all-reduce forward in their place."""
     r, f, d = SHAPE.mlp_rank, SHAPE.ffn, SHAPE.hidden
-    assert _consumers() == {"comm": (r, r), "perf_coll": (r, r), "perf_gemm": (r, f / TP),
+    assert _consumers() == {"muon_rows": ((r,), (TP * d,)), "comm": (r, r), "perf_coll": (r, r), "perf_gemm": (r, f / TP),
                             "local_A": (r, f // TP), "layer_axes": (1, 0),
                             "layer_norm": False, "sp_comm": (d, d, 4 * 4 * d),
                             "sp_perf_coll": [("fwd", "reduce_scatter", d),
@@ -82,7 +92,7 @@ def test_every_consumer_follows_one_entry(monkeypatch):
         full_fc2, sp_fwd=(P.Collective(P.Dim.D_IN, "all_reduce"),)))
     # fwd: output all-reduce d plus the fused statistic's column; bwd: input gradient f.
     # full + SP: fc2's forward is an f-wide all-reduce (fp32 bytes: 3 d-wide ones and it)
-    assert _consumers() == {"comm": (d + 1, f), "perf_coll": (d, f),
+    assert _consumers() == {"muon_rows": ((TP * r,), (d,)), "comm": (d + 1, f), "perf_coll": (d, f),
                             "perf_gemm": (r / TP, f), "local_A": (r // TP, f),
                             "layer_axes": (0, 1), "layer_norm": True,
                             "sp_comm": (f, d, 4 * (3 * d + f)),
@@ -157,3 +167,166 @@ def test_the_gpu_checks_rank_shapes_follow_the_table(monkeypatch):
     monkeypatch.setitem(P.PLACEMENT, (TPMode.BOOST, P.Group.FC1),
                         P.PLACEMENT[(TPMode.NAIVE, P.Group.FC1)])
     assert sizes() == (d // TP, f, h // TP, SHAPE.attn_rank, SHAPE.mlp_rank // TP)
+
+
+def _split_size_names(mode):
+    """The names config/modes.py's TP-divisibility rule checks in ``mode``."""
+    from megatron_boost.config.modes import tp_sharded_sizes
+
+    return [name for name, _, _ in tp_sharded_sizes(
+        mode, hidden_size=SHAPE.hidden, ffn_hidden_size=SHAPE.ffn,
+        num_attention_heads=SHAPE.heads, num_query_groups=SHAPE.query_groups,
+        attn_rank=SHAPE.attn_rank, mlp_rank=SHAPE.mlp_rank)]
+
+
+def test_the_tp_divisibility_rule_follows_the_table(monkeypatch):
+    """tp_sharded_sizes lists the sizes the table's split axes fall on: boost's fc2 given
+    naive's placement adds the MLP rank; naive's stream split along d adds the hidden size."""
+    heads = ["num_attention_heads", "num_query_groups"]  # megatron's own rule, every mode
+    assert _split_size_names(TPMode.BOOST) == ["hidden_size", "ffn_hidden_size", *heads]
+    assert _split_size_names(TPMode.NAIVE) == ["attn_rank", "mlp_rank", *heads]
+    assert _split_size_names(TPMode.FULL) == ["ffn_hidden_size", *heads]
+    monkeypatch.setitem(P.PLACEMENT, (TPMode.BOOST, P.Group.FC2),
+                        P.PLACEMENT[(TPMode.NAIVE, P.Group.FC2)])
+    monkeypatch.setitem(P.TENSORS, (TPMode.NAIVE, P.Tensor.STREAM), P.TensorPlacement(2))
+    assert _split_size_names(TPMode.BOOST) == ["hidden_size", "mlp_rank", "ffn_hidden_size",
+                                               *heads]
+    assert _split_size_names(TPMode.NAIVE) == ["hidden_size", "attn_rank", "mlp_rank", *heads]
+
+
+
+def _perf_tensor_consumers(monkeypatch):
+    """What the perf model makes of boost's tensors outside the factors on one GPU of TP 2
+    and two stages (untied, then tied embeddings), and of full rank's stream with sequence
+    parallelism: the layer's parameters beyond its factors (γ), the stream per token, the first
+    and last stage's parameters beyond their layers (embedding; head and final norm), the
+    head's GEMM time, the last stage's logits and the tied embedding's gradient all-reduce."""
+    from megatron_boost.perf import model as perf
+    from megatron_boost.perf.hardware import hardware
+
+    class NoLedger:  # the stage memory's ledger terms out of the way: nothing saved
+        saved_bytes, saved_by_scope = 0, {}
+
+    monkeypatch.setattr(perf.LayerWork, "ledger", lambda self, recompute=None: NoLedger())
+    hw = hardware("h100-80gb")
+    st = perf._Setting.of(SHAPE, perf.Layout(mode="boost", tp=TP, pp=2), hw)
+    tied = perf._Setting.of(dataclasses.replace(SHAPE, tied_embeddings=True),
+                            perf.Layout(mode="boost", tp=TP, pp=2), hw)
+    full_sp = perf._Setting.of(SHAPE, perf.Layout(mode="full", tp=TP), hw)
+    factors = sum(gemm.N * gemm.K for gemm in st.work.gemms)
+    first, last = (params - st.work.params for params in perf._stage_params(st, [1, 1]))
+    return {"perf_norms": st.work.params - factors, "perf_stream": st.d_loc,
+            "perf_first": first, "perf_last": last,
+            "perf_head_gemm": perf._head_times(st)["gemm"],
+            "perf_logits": perf._stage_memory(st, 1, 1, 0.0)["activations"],
+            "perf_tied": perf._step_tail(tied, 0.0, 0.0)["tied"],
+            "perf_sp_stream": full_sp.d_loc}
+
+
+def _hidden_sharded_embedding(monkeypatch):
+    """boost's untied embedding on one of TP ranks: its table's shape and TP split axis (the
+    attribute megatron's checkpointing and optimizers read)."""
+    import torch
+
+    from megatron_boost.config.transformer import BoostTransformerConfig
+    from megatron_boost.model import gpt
+
+    monkeypatch.setattr(gpt, "get_pg_size", lambda group: TP)
+    config = BoostTransformerConfig(
+        num_layers=1, hidden_size=SHAPE.hidden, num_attention_heads=SHAPE.heads,
+        ffn_hidden_size=SHAPE.ffn, tp_mode=TPMode.BOOST, attn_rank=SHAPE.attn_rank,
+        mlp_rank=SHAPE.mlp_rank, add_bias_linear=False, use_cpu_initialization=True,
+        params_dtype=torch.float32)
+    weight = gpt.HiddenShardedEmbedding(config, SHAPE.vocab, tp_group=None).word_embeddings.weight
+    return {"gpt_embedding_shape": tuple(weight.shape),
+            "gpt_embedding_axis": weight.partition_dim}
+
+
+def _sequence_parallel_seq_rule() -> bool:
+    """Whether the run validation refuses full rank with sequence parallelism at TP 2 on a
+    sequence TP does not divide (each rank would hold s/t positions)."""
+    from megatron_boost.config import validation
+    from megatron_boost.config.run import load_run_config
+
+    cfg = load_run_config("configs/debug.yaml", [
+        "parallel.mode=full", f"parallel.tp={TP}", "parallel.sequence_parallel=true"])
+    cfg.model.seq_length = TP * 8 + 1  # after loading, which validates
+    try:
+        validation._check_tp_split(cfg)
+    except ValueError as err:
+        return "sequence parallelism" in str(err)
+    return False
+
+
+def _tensor_consumers(monkeypatch):
+    """What every consumer outside parallel/ makes of the tensors of TENSORS: the model's
+    stream split between stages, its pipeline seq_length rule and its embedding table; the
+    op ledger's and the comm measurement's layer input; the perf model's sizes."""
+    from megatron_boost.analysis import comm, ledger
+    from megatron_boost.config.modes import check_pipeline_seq_length
+    from megatron_boost.model.gpt import stream_split
+
+    try:  # an odd sequence cannot be exchanged as [s/t, b, d] where the stream is split
+        check_pipeline_seq_length(TPMode.BOOST, TP, 2, TP * 8 + 1)
+        refused = False
+    except ValueError:
+        refused = True
+    spec = ledger.LedgerSpec(shape=SHAPE, mode="boost", tp=TP, seq_length=16)
+    return {"sp_seq_rule": _sequence_parallel_seq_rule(),
+            "gpt_stream": stream_split(TPMode.BOOST, TP), "pipeline_seq_rule": refused,
+            **_hidden_sharded_embedding(monkeypatch),
+            "ledger_input": ledger.layer_input_shape(spec),
+            "ledger_sp_input": ledger.layer_input_shape(dataclasses.replace(
+                spec, mode="full", sequence_parallel=True)),
+            "comm_input": comm.layer_input_shape(comm.LayerCommSpec(mode="boost", tp=TP),
+                                                 SHAPE.hidden),
+            **_perf_tensor_consumers(monkeypatch)}
+
+
+_STREAM_CONSUMERS = {"gpt_stream", "pipeline_seq_rule", "ledger_input", "comm_input",
+                     "perf_stream"}
+
+
+def _replicated(mode, tensor, consumers):
+    return pytest.param((mode, tensor), P.TensorPlacement(None), consumers,
+                        id=f"{mode.value}-{tensor.value}")
+
+
+@pytest.mark.parametrize("entry,changed,consumers", [
+    _replicated(TPMode.BOOST, P.Tensor.STREAM, _STREAM_CONSUMERS),
+    _replicated(TPMode.BOOST, P.Tensor.NORM_WEIGHT, {"perf_norms"}),
+    _replicated(TPMode.BOOST, P.Tensor.FINAL_NORM_WEIGHT, {"perf_last"}),
+    _replicated(TPMode.BOOST, P.Tensor.EMBEDDING, {"gpt_embedding_shape", "gpt_embedding_axis",
+                                                    "perf_first", "perf_tied"}),
+    _replicated(TPMode.BOOST, P.Tensor.HEAD, {"perf_last", "perf_head_gemm", "perf_logits"}),
+    _replicated(TPMode.FULL, P.Tensor.STREAM, {"ledger_sp_input", "perf_sp_stream",
+                                                  "sp_seq_rule"}),
+])
+def test_every_consumer_follows_one_tensor_entry(monkeypatch, entry, changed, consumers):
+    """One TENSORS entry made replicated changes exactly the consumers that read it, each of
+    them (and no other): a consumer that wrote its split by hand would stay as it was."""
+    before = _tensor_consumers(monkeypatch)
+    d, s = SHAPE.hidden, 16
+    assert before["ledger_input"] == (s, 1, d // TP)
+    assert before["ledger_sp_input"] == (s // TP, 1, d)
+    monkeypatch.setitem(P.TENSORS, entry, changed)
+    after = _tensor_consumers(monkeypatch)
+    assert {key for key in before if after[key] != before[key]} == consumers
+
+
+def test_the_heads_split_follows_qkv_entry(monkeypatch):
+    """Where qkv is split along its output the heads are: naive's qkv given boost's placement
+    splits the perf model's attention heads and the attention core of the per-rank FLOP count
+    (naive keeps both whole on every rank)."""
+    from megatron_boost.analysis.flops import rank_step_flops
+
+    def consumers():
+        flops = rank_step_flops(SHAPE, TPMode.NAIVE, 1, SHAPE.vocab, 16, TP)
+        return layer_work(SHAPE, TPMode.NAIVE, TP).attn_heads, flops
+
+    heads, flops = consumers()
+    assert heads == SHAPE.heads
+    monkeypatch.setitem(P.PLACEMENT, (TPMode.NAIVE, P.Group.QKV),
+                        P.PLACEMENT[(TPMode.BOOST, P.Group.QKV)])
+    split_heads, split_flops = consumers()
+    assert split_heads == SHAPE.heads / TP and split_flops < flops

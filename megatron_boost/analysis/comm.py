@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
-from megatron_boost.config.placement import (GROUPS, Norm, collective_widths,
-                                               layer_collectives, placement)
+from megatron_boost.config.modes import TPMode
+from megatron_boost.config.placement import (GROUPS, Norm, Tensor, collective_widths,
+                                               layer_collectives, placement,
+                                               tensor_local_shape)
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +36,7 @@ __all__ = ["MODES", "CROSS_ENTROPY_FP32_VALUES", "tp_collectives", "tp_comm_widt
            "head_collectives", "StepCommShape",
            "step_comm_bytes", "LayerCommSpec",
            "comm_summary", "measure_layer_comm", "measure_layer_comm_specs",
-           "layer_comm_worker", "build_decoder_layer"]
+           "layer_comm_worker", "build_decoder_layer", "layer_input_shape"]
 
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
 #: megatron's vocab-parallel cross entropy all-reduces three fp32 values per token forward (the
@@ -90,11 +92,11 @@ def fp32_statistic_columns(mode: str, dtype: str) -> int:
     return sum(placement(mode, group).norm is Norm.FUSED for group in GROUPS)
 
 
-def _formula_text(shape: ModelShape, mode: str) -> Tuple[str, str]:
+def _formula_text(shape: ModelShape, mode: TPMode) -> Tuple[str, str]:
     """The symbolic (forward, backward) formula: the MHA shorthand where it applies."""
-    if mode == "full":
+    if mode is TPMode.FULL:
         return "2d", "2d"
-    if mode == "naive":
+    if mode is TPMode.NAIVE:
         mha = shape.g == shape.heads and shape.q_width == shape.hidden
         return ("5d + 2f", "3d + f") if mha else ("(h+2g)e + 2d + 2f", "2d + he + f")
     if shape.r_attn == shape.r_mlp:
@@ -109,7 +111,7 @@ def layer_comm_formula(cfg: Any, mode: str, dtype: str = "fp32") -> Dict[str, An
     formula."""
     shape = cfg if isinstance(cfg, ModelShape) else ModelShape.from_config(cfg)
     mode = check_mode(mode)
-    if mode == "boost" and (shape.attn_rank is None or shape.mlp_rank is None):
+    if mode is TPMode.BOOST and (shape.attn_rank is None or shape.mlp_rank is None):
         raise ValueError("boost mode needs attn_rank and mlp_rank")
     fwd, bwd = tp_comm_widths(shape, mode, dtype)
     text = _formula_text(shape, mode)
@@ -143,7 +145,7 @@ def embedding_collectives(shape: ModelShape, mode: str,
     backward, each recorded at its full width d
     (:func:`~megatron_boost.analysis.collectives.record_collectives`)."""
     d = shape.hidden
-    if check_mode(mode) != "boost":
+    if check_mode(mode) is not TPMode.BOOST:
         if sequence_parallel:
             return [("fwd", "reduce_scatter", d), ("bwd", "all_gather", d)]
         return [("fwd", "all_reduce", d)]
@@ -164,7 +166,7 @@ def head_collectives(shape: ModelShape, mode: str,
     d = shape.hidden
     if sequence_parallel:
         return [("fwd", "all_gather", d), ("bwd", "reduce_scatter", d), ("bwd", "all_gather", d)]
-    gather = [("fwd", "all_gather", d)] if check_mode(mode) == "boost" else []
+    gather = [("fwd", "all_gather", d)] if check_mode(mode) is TPMode.BOOST else []
     return gather + [("bwd", "all_reduce", d)]
 
 
@@ -221,7 +223,7 @@ def step_comm_bytes(shape: ModelShape, mode: str, dtype: str,
         return {"fwd": 0, "bwd": 0}
     mode = check_mode(mode)
     esize, d = _ELEMENT_BYTES[dtype], shape.hidden
-    sp = step.sequence_parallel and mode == "full"
+    sp = step.sequence_parallel and mode is TPMode.FULL
     layer_fwd, layer_bwd = layer_comm_bytes_per_token(shape, mode, dtype, sp)
     fwd = step.local_layers * layer_fwd
     bwd = step.local_layers * (layer_bwd + (layer_fwd if step.full_recompute else 0))
@@ -315,6 +317,14 @@ def build_decoder_layer(config, pgs=None):
     return build_module(spec, config=config, layer_number=1, pg_collection=layer_pgs)
 
 
+def layer_input_shape(spec: LayerCommSpec, hidden_size: int) -> Tuple[int, int, int]:
+    """The measured layer's input on one rank, [s, b, d] split along d where the placement
+    table splits the stream (boost). The stream's sequence-parallel split is not applied: with
+    sequence parallelism the measurement's s positions are each rank's sequence shard."""
+    stream = (spec.seq_length, spec.micro_batch_size, hidden_size)
+    return tensor_local_shape(spec.mode, Tensor.STREAM, stream, spec.tp)
+
+
 def layer_comm_worker(rank: int, world: int, specs) -> Any:
     """In each of ``tp`` gloo processes: for each spec (one, or a list sharing one tp), build one
     decoder layer, run it forward and backward on [seq_length, micro_batch_size, width] random
@@ -339,7 +349,6 @@ def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_boost.config.modes import TPMode
     from megatron_boost.config.resolved import resolve_run, to_transformer_config
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -352,10 +361,10 @@ def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[
         dtype = run.params_dtype
         config = to_transformer_config(run)
         layer = build_decoder_layer(config)
-        d = config.hidden_size
-        width = d // spec.tp if config.tp_mode is TPMode.BOOST else d
+        shape = layer_input_shape(spec, config.hidden_size)
+        width = shape[-1]
         g = torch.Generator().manual_seed(spec.seed + rank)
-        x = torch.randn(spec.seq_length, spec.micro_batch_size, width, generator=g).to(dtype)
+        x = torch.randn(shape, generator=g).to(dtype)
         x.requires_grad_(True)
         log = measure_layer_comm(layer, x, tp_group)
         out = comm_summary(log, spec.seq_length * spec.micro_batch_size)

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional, Sequence, TextIO
 
 from megatron_boost.analysis.comm import layer_comm_formula
 from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.modes import TPMode
 
 __all__ = ["GIB", "DTYPE_BYTES", "PUBLISHED_7B_FWD", "PUBLISHED_7B_SETTING",
            "comm_volume_report", "print_report"]
@@ -22,7 +23,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 #: The BOOST authors' per-layer forward TP communication of LLaMA-7B (d 4096, f 11008, r 1024,
 #: MHA), micro-batch 4, seq 4096, bf16, one layer, in their README's "GB" (which are GiB: see
 #: :func:`comm_volume_report`).
-PUBLISHED_7B_FWD = {"full": 0.25, "naive": 1.32, "boost": 0.22}
+PUBLISHED_7B_FWD = {TPMode.FULL: 0.25, TPMode.NAIVE: 1.32, TPMode.BOOST: 0.22}
 PUBLISHED_7B_SETTING = {"d": 4096, "f": 11008, "h": 32, "g": 32, "r_attn": 1024,
                         "r_mlp": 1024, "micro_batch_size": 4, "seq_length": 4096,
                         "dtype": "bf16"}

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from megatron_boost.analysis.shape import ModelShape, check_mode, config_mode
 from megatron_boost.config.modes import TPMode
+from megatron_boost.config.placement import Dim, Group, split_dims
 
 __all__ = ["flops_per_token", "forward_flops_per_token", "step_flops", "rank_step_flops",
            "attention_core_flops", "count_flops", "peak_tflops", "MODEL_FLOPS_CAUSAL"]
@@ -111,7 +112,9 @@ def rank_step_flops(cfg: Any, mode: str, tokens: int, vocab_size: int, seq_lengt
     proj, core = _layer_parts(shape, mode, s, causal=False)
     core = shape.num_layers * core
     split = shape.num_layers * proj + 2.0 * shape.hidden * V
-    per_token = split / tp + (core if mode == "naive" else core / tp)
+    # the core is split where the heads are: qkv split along its output (not naive)
+    heads_split = Dim.D_OUT in split_dims(mode, Group.QKV)
+    per_token = split / tp + (core / tp if heads_split else core)
     return 3.0 * tokens * per_token
 
 

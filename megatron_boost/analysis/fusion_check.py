@@ -81,13 +81,14 @@ def run_fuser_notice(cfg, problem: Optional[str]) -> Optional[str]:
         return None
     from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger
     from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.modes import TPMode
 
     par, t = cfg.parallel, cfg.training
     spec = LedgerSpec(shape=ModelShape.from_config(cfg, "run"), mode=par.mode, tp=par.tp,
                       micro_batch=t.micro_batch_size, seq_length=cfg.model.seq_length,
                       dtype="fp32" if t.precision == "fp32" else "bf16",
-                      sequence_parallel=bool(par.sequence_parallel) and par.mode == "full"
-                      and par.tp > 1)
+                      sequence_parallel=bool(par.sequence_parallel)
+                      and TPMode.parse(par.mode) is TPMode.FULL and par.tp > 1)
     try:
         ledger = layer_ledger(spec)
     except Exception:  # the notice must not stop a run: the cost is then left out

@@ -64,10 +64,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from megatron_boost.analysis.kernel_models import CUDA_KERNEL_MODELS, cuda_kernel_models
 from megatron_boost.analysis.op_recorder import Kernel, Scopes, recorder_class
 from megatron_boost.analysis.shape import ModelShape, check_mode
+from megatron_boost.config.placement import Tensor, tensor_local_shape
 
 __all__ = ["KINDS", "TRAFFIC_KINDS", "Kernel", "CollectiveEntry", "LayerLedger", "LedgerSpec",
            "CUDA_KERNEL_MODELS", "in_attention", "layer_ledger", "measure_ledgers",
-           "ledger_in_process",
+           "ledger_in_process", "layer_input_shape",
            "ledger_table", "ledger_json", "ledger_from_dict", "spec_label"]
 
 #: The kernel classes, in report order.
@@ -290,6 +291,14 @@ def _fake_tp_group(tp: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
+def layer_input_shape(spec: LedgerSpec) -> Tuple[int, int, int]:
+    """The layer's input on one rank: the residual stream [s, b, d] split as the placement
+    table says (boost: along d; full with sequence parallelism: along s)."""
+    stream = (spec.seq_length, spec.micro_batch, spec.shape.hidden)
+    return tensor_local_shape(spec.mode, Tensor.STREAM, stream, spec.tp,
+                              sequence_parallel=spec.sequence_parallel)
+
+
 def _build(spec: LedgerSpec):
     """(layer, rotary embedding, transformer config) of ``spec``, parameters uninitialised
     (the ledger's tensors are fake)."""
@@ -366,9 +375,7 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
     with _fake_tp_group(spec.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True), \
             cuda_kernel_models():  # before the build: megatron's linears check apex's kernel
         layer, rope, config = _build(spec)
-        width = config.hidden_size // spec.tp if spec.mode == "boost" else config.hidden_size
-        seq = spec.seq_length // spec.tp if spec.sequence_parallel else spec.seq_length
-        x = torch.empty(seq, spec.micro_batch, width, dtype=config.params_dtype,
+        x = torch.empty(layer_input_shape(spec), dtype=config.params_dtype,
                         requires_grad=True)
         freqs = rope(spec.seq_length)  # [s, 1, 1, e], as GPTModel hands it to its layers
         scopes = Scopes(layer)
@@ -388,7 +395,7 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
     return LayerLedger(spec=spec, kernels=recorder.kernels,
                        collectives=_collective_entries(recorder.kernels, log),
                        saved_bytes=saved.bytes, saved_by_scope=by_scope,
-                       saved_fp32_wide=_fp32_wide(saved, seq * spec.micro_batch))
+                       saved_fp32_wide=_fp32_wide(saved, x.shape[0] * spec.micro_batch))
 
 
 _CACHE: Dict[LedgerSpec, LayerLedger] = {}

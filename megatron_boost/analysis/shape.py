@@ -172,7 +172,7 @@ class ModelShape:
 
     def layer_params(self, lowrank: bool) -> int:
         """Parameters of one decoder layer: the projections and two RMSNorm weights."""
-        return self.projection_params("boost" if lowrank else "full") + 2 * self.hidden
+        return self.projection_params(TPMode.BOOST if lowrank else TPMode.FULL) + 2 * self.hidden
 
     def model_params(self, lowrank: bool) -> int:
         """Parameters of the whole model: every layer, the embedding, head and final norm."""

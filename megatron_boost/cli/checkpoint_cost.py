@@ -61,9 +61,10 @@ def shard_bytes_per_rank(config_path: str) -> Dict[str, int]:
 def shard_bytes(cfg) -> Dict[str, int]:
     """:func:`shard_bytes_per_rank` of a loaded run configuration."""
     from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.modes import TPMode
 
     shape = ModelShape.from_config(cfg)
-    lowrank = cfg.parallel.mode != "full"
+    lowrank = TPMode.parse(cfg.parallel.mode).is_lowrank
     params = shape.num_layers * shape.layer_params(lowrank) + shape.embedding_params()
     ranks = cfg.parallel.tp * cfg.parallel.pp
     per_rank = params // ranks

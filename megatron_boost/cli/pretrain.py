@@ -80,11 +80,12 @@ def check_passed_line(cfg, world_size: int, vocab: Optional[int]) -> str:
     import dataclasses
 
     from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.modes import TPMode
     from megatron_boost.config.validation import budget_line
 
     par, m = cfg.parallel, cfg.model
     model = dataclasses.replace(m, vocab_size=vocab) if vocab else m
-    params = ModelShape.from_config(model).model_params(par.mode != "full")
+    params = ModelShape.from_config(model).model_params(TPMode.parse(par.mode).is_lowrank)
     dp = world_size // (par.tp * par.pp)
     return (f"check passed: {world_size} processes = tp {par.tp} x pp {par.pp} x dp {dp} "
             f"(mode {par.mode}) | {params / 1e6:,.2f}M parameters ({m.num_layers} layers, "

@@ -59,7 +59,7 @@ def check_overlap_chunks_fit(cfg) -> None:
     all-reduces run than asked. A layer sees all ``model.seq_length`` positions in every
     layout: with pp > 1 boost ships a stage's [s, b, d/t] output as an [s/t, b, d] buffer
     (the schedule's seq_length is s/t, model/gpt.py), but views it back as [s, b, d/t] before
-    the layers (``_from_p2p``), so s, not s/t, is the bound."""
+    the layers (``p2p_to_stream``), so s, not s/t, is the bound."""
     chunks, seq = cfg.parallel.bottleneck_overlap_chunks, cfg.model.seq_length
     if chunks > seq:
         raise ValueError(f"parallel.bottleneck_overlap_chunks ({chunks}) exceeds the "

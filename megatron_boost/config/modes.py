@@ -84,24 +84,50 @@ def check_lowrank_recompute(mode, lowrank_recompute: bool) -> None:
             "and boost modes; for the full-rank model use recompute 'selective' or 'full'")
 
 
+# Why a size is split, by the size the table's split axes fall on (config/placement.py).
+_WHY_SPLIT = {
+    "hidden_size": "the residual stream is sharded along the hidden dimension",
+    "attn_rank": "A is split along the rank",
+    "mlp_rank": "A is split along the rank",
+    "ffn_hidden_size": "the MLP is sharded along the ffn dimension",
+}
+
+
+def _table_split_sizes(mode) -> set:
+    """The names of the model sizes the placement table splits in ``mode``: a factor's split
+    axis falls on a group's d_in, d_out or rank (qkv/fc1 read d; proj/fc2 write d; fc1 writes
+    and fc2 reads the ffn; qkv writes and proj reads the heads), the residual stream's on d
+    when it is split along its last axis [s, b, d]."""
+    # placement.py imports TPMode from here: imported late, both modules stay plain Python.
+    from megatron_boost.config.placement import (GROUPS, Dim, Group, Tensor, split_dims,
+                                                 tensor_split)
+
+    ffn_or_heads = {Group.QKV: "num_attention_heads", Group.PROJ: "num_attention_heads",
+                    Group.FC1: "ffn_hidden_size", Group.FC2: "ffn_hidden_size"}
+    names = set()
+    for group in GROUPS:
+        stream_side = Dim.D_IN if group.is_column else Dim.D_OUT
+        for dim in split_dims(mode, group):
+            names.add(f"{group.rank_kind}_rank" if dim is Dim.RANK
+                      else "hidden_size" if dim is stream_side else ffn_or_heads[group])
+    if tensor_split(mode, Tensor.STREAM) == 2:  # [s, b, d]: split along d
+        names.add("hidden_size")
+    return names
+
+
 def tp_sharded_sizes(mode, *, hidden_size: int, ffn_hidden_size: Optional[int],
                      num_attention_heads: int, num_query_groups: Optional[int],
                      attn_rank: Optional[int], mlp_rank: Optional[int]
                      ) -> List[Tuple[str, int, str]]:
-    """(name, size, why) of every size that ``mode`` splits over the TP ranks (docs/design.md
-    §2). boost never shards the rank (the bottleneck is replicated after its all-reduce)."""
-    mode = TPMode.parse(mode)
+    """(name, size, why) of every size that ``mode`` splits over the TP ranks, derived from
+    the placement table (``config/placement.py``, docs/design.md §2). boost never shards the
+    rank (the bottleneck is replicated after its all-reduce)."""
+    split = _table_split_sizes(mode)  # the heads are listed below in every mode
+    values = {"hidden_size": hidden_size, "attn_rank": attn_rank, "mlp_rank": mlp_rank,
+              "ffn_hidden_size": ffn_hidden_size}
+    sizes = [(name, values[name], why) for name, why in _WHY_SPLIT.items()
+             if name in split and not (name == "ffn_hidden_size" and ffn_hidden_size is None)]
     groups = num_query_groups if num_query_groups is not None else num_attention_heads
-    sizes = []
-    if mode is TPMode.NAIVE:
-        sizes += [(name, value, "A is split along the rank")
-                  for name, value in (("attn_rank", attn_rank), ("mlp_rank", mlp_rank))]
-    if mode is TPMode.BOOST:
-        sizes.append(("hidden_size", hidden_size,
-                      "the residual stream is sharded along the hidden dimension"))
-    if mode in (TPMode.BOOST, TPMode.FULL) and ffn_hidden_size is not None:
-        sizes.append(("ffn_hidden_size", ffn_hidden_size,
-                      "the MLP is sharded along the ffn dimension"))
     # megatron's TransformerConfig requires heads and groups to divide in every mode (full
     # and boost shard attention by heads, each rank holding whole key/value groups).
     sizes += [("num_attention_heads", num_attention_heads, "attention is split by heads"),
@@ -130,15 +156,19 @@ def check_tp_split(mode, tp: int, **sizes) -> None:
 
 
 def check_pipeline_seq_length(mode, tp: int, pp: int, seq_length: int) -> None:
-    """boost with pipeline parallelism: stages exchange the hidden shard [s, b, d/t] as an
-    [s/t, b, d] p2p buffer (megatron's schedules size it from seq_length), so s must divide by
-    t. Checked by the run validation and when the model is driven (``model/gpt.py``)."""
-    if TPMode.parse(mode) is TPMode.BOOST and pp > 1 and seq_length % tp:
+    """A mode whose stream the placement table splits between stages (boost: the hidden
+    shard [s, b, d/t]) with pipeline parallelism: stages exchange it as an [s/t, b, d] p2p
+    buffer (megatron's schedules size it from seq_length), so s must divide by t. Checked by
+    the run validation and when the model is driven (``model/gpt.py``)."""
+    from megatron_boost.config.placement import Tensor, is_split  # see _table_split_sizes
+
+    mode = TPMode.parse(mode)
+    if is_split(mode, Tensor.STREAM) and pp > 1 and seq_length % tp:
         raise ValueError(
             f"seq_length ({seq_length}) must be divisible by tensor_model_parallel_size ({tp}) "
-            f"for boost with pipeline parallelism (pipeline size {pp}): stages exchange the "
-            f"[s, b, d/t] shard as an [s/t, b, d] buffer; choose a multiple of {tp} or another "
-            f"layout")
+            f"for {mode.value} with pipeline parallelism (pipeline size {pp}): stages exchange "
+            f"the [s, b, d/t] shard as an [s/t, b, d] buffer; choose a multiple of {tp} or "
+            f"another layout")
 
 
 # Why each low-rank mode refuses megatron's sequence parallelism (docs/design.md §2).

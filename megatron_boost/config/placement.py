@@ -17,7 +17,9 @@ sequence parallelism and with tied embeddings where those change it.
 
 Everything else reads it: the layers (``parallel/layers.py``) take their split axes from it, the
 communication formulas (``analysis/comm.py``), the perf model's GEMM shapes and parameters
-(``perf/model.py``) and the per-rank factor shapes (:func:`local_factor_shapes`) their sizes.
+(``perf/model.py``) and the per-rank factor shapes (:func:`local_factor_shapes`) their sizes;
+the TP-divisibility rule (``config/modes.py``), the model's embedding and pipeline views
+(``model/gpt.py``), Muon (``train/muon.py``), the op ledger and the FLOP count read it too.
 
 Plain Python on purpose, like ``config/modes.py``: ``--check`` and the perf model's layout
 checks import it without torch.
@@ -36,7 +38,7 @@ __all__ = ["Group", "Dim", "Norm", "Factor", "Collective", "GroupPlacement", "PL
            "GROUPS", "GROUP_PROJECTIONS", "placement", "group_of_projection", "widths",
            "layer_collectives", "collective_widths", "local_factor_shapes",
            "placement_markdown", "Tensor", "TensorPlacement", "TENSORS", "tensor_split",
-           "tensors_markdown"]
+           "is_split", "local_numel", "tensor_local_shape", "split_dims", "tensors_markdown"]
 
 
 class Group(str, enum.Enum):
@@ -254,6 +256,43 @@ def tensor_split(mode, tensor: Tensor, *, sequence_parallel: bool = False,
     if tied and entry.tied_split is not None:
         return entry.tied_split
     return entry.split
+
+
+def is_split(mode, tensor: Tensor, **variant: bool) -> bool:
+    """Whether ``tensor`` is split over the TP ranks in ``mode`` (``variant``: the keywords of
+    :func:`tensor_split`)."""
+    return tensor_split(mode, tensor, **variant) is not None
+
+
+def local_numel(mode, tensor: Tensor, numel, tp: int, **variant: bool):
+    """``numel`` elements of ``tensor`` (or a size proportional to them) as one of ``tp`` ranks
+    holds them in ``mode``: ``numel / tp`` where the table splits the tensor, else ``numel``
+    (``variant``: the keywords of :func:`tensor_split`)."""
+    return numel / tp if is_split(mode, tensor, **variant) else numel
+
+
+def tensor_local_shape(mode, tensor: Tensor, shape: Sequence[int], tp: int, *,
+                       divide: Callable = operator.floordiv, **variant: bool) -> tuple:
+    """``shape``, the global shape of ``tensor``, as one of ``tp`` ranks holds it in ``mode``:
+    the table's split axis divided by ``divide`` (``variant``: the keywords of
+    :func:`tensor_split`)."""
+    local = list(shape)
+    split = tensor_split(mode, tensor, **variant)
+    if split is not None:
+        local[split] = divide(local[split], tp)
+    return tuple(local)
+
+
+def split_dims(mode, group: Group) -> List[Dim]:
+    """The sizes of ``group`` (d_in, d_out, r) along which a factor of it is split in
+    ``mode``, in factor order (A then B), each once."""
+    entry = placement(mode, group)
+    dims: List[Dim] = []
+    for factor in filter(None, (entry.a, entry.b)):
+        if factor.split is not None:
+            dim = (factor.rows, factor.cols)[factor.split]
+            dims += [dim] if dim not in dims else []
+    return dims
 
 
 def placement(mode, group: Group) -> GroupPlacement:

@@ -31,7 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from megatron_boost.config.modes import default_rank
+from megatron_boost.config.modes import TPMode, default_rank
 
 __all__ = ["MAY_CHANGE", "WEIGHTS", "MODEL", "OPTIMIZER_STATE", "Rule", "RESUME_CONTRACT",
            "config_keys", "check_resume_contract"]
@@ -63,7 +63,7 @@ def _get(cfg: Dict, dotted: str, default: Any = None) -> Any:
 
 
 def _lowrank(cfg: Dict) -> bool:
-    return _get(cfg, "parallel.mode", "boost") != "full"
+    return TPMode.parse(_get(cfg, "parallel.mode", TPMode.BOOST)).is_lowrank
 
 
 def _resolved_ranks(cfg: Dict):

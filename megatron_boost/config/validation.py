@@ -24,6 +24,7 @@ from megatron_boost.config.inert_settings import (check_finite_numbers, check_mu
 from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_lowrank_recompute,
                                           check_pipeline_seq_length, check_tp_split,
                                           resolve_sequence_parallel)
+from megatron_boost.config.placement import Tensor, tensor_split
 from megatron_boost.runtime.backends import check_attention_backend
 
 __all__ = ["ParallelDims", "validate_run_config", "validate_reading_launch", "train_iterations", "lr_decay_iterations",
@@ -262,7 +263,9 @@ def _check_tp_split(cfg) -> None:
     m, par = cfg.model, cfg.parallel
     mode = TPMode.parse(par.mode)
     sequence_parallel, _ = resolve_sequence_parallel(mode, par.tp, par.sequence_parallel)
-    if sequence_parallel and m.seq_length % par.tp:
+    # the stream's sequence axis split over the TP ranks (the placement table: full with SP)
+    stream_axis = tensor_split(mode, Tensor.STREAM, sequence_parallel=sequence_parallel)
+    if sequence_parallel and stream_axis == 0 and m.seq_length % par.tp:
         raise ValueError(
             f"model.seq_length ({m.seq_length}) must be divisible by parallel.tp ({par.tp}) "
             f"with sequence parallelism (each TP rank holds seq_length / tp positions); "

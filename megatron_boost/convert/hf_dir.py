@@ -10,6 +10,8 @@ from typing import Dict
 
 import torch
 
+from megatron_boost.config.modes import TPMode
+
 __all__ = ["hf_config", "write_hf_dir", "load_hf_model", "read_hf_state_dict",
            "read_config_json", "check_weight_files", "check_weight_shapes", "files_follow_umask", "HF_ACTIVATIONS",
            "COLA_CODE", "cola_keys", "cola_reads_it_differently"]
@@ -40,7 +42,8 @@ def hf_config(cfg, vocab_rows: int, cola: bool, tokenizer=None):
         tie_word_embeddings=m.share_embeddings_and_output_weights,
         # LLaMA's MLP gate (full rank, or a fold: linear without mlp_gate_activation); a CoLA
         # config says σ here instead (cola_keys)
-        hidden_act="silu" if cfg.parallel.mode == "full" or m.mlp_gate_activation
+        hidden_act="silu" if TPMode.parse(cfg.parallel.mode) is TPMode.FULL
+        or m.mlp_gate_activation
         else "linear",
         bos_token_id=getattr(tokenizer, "bos_token_id", None),
         eos_token_id=getattr(tokenizer, "eos_token_id", None),

@@ -21,6 +21,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import yaml
 
+from megatron_boost.config.modes import TPMode
 from megatron_boost.config.resolved import ResolvedRun, padded_vocab_size, resolve_run
 from megatron_boost.config.run import RunConfig, load_run_config
 from megatron_boost.data.datasets import build_tokenizer
@@ -46,7 +47,7 @@ __all__ = [
 
 
 def is_lowrank(cfg: RunConfig) -> bool:
-    return cfg.parallel.mode != "full"
+    return TPMode.parse(cfg.parallel.mode).is_lowrank
 
 
 @contextlib.contextmanager

@@ -50,6 +50,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from megatron_boost.config.modes import TPMode, check_pipeline_seq_length
+from megatron_boost.config.placement import Tensor, tensor_local_shape, tensor_split
 from megatron_boost.config.transformer import BoostTransformerConfig
 from megatron_boost.model.specs import (
     default_pg_collection,
@@ -64,13 +65,22 @@ from megatron_boost.parallel.mappings import (
 
 __all__ = [
     "BottleneckGPTModel", "GatheredRMSNorm", "HiddenShardedEmbedding",
-    "TiedHiddenShardedEmbedding", "build_model", "schedule_seq_length",
+    "TiedHiddenShardedEmbedding", "build_model", "schedule_seq_length", "stream_split",
+    "p2p_to_stream", "stream_to_p2p",
 ]
 
 
+def stream_split(mode, tp: int) -> Optional[int]:
+    """The axis of the residual stream [s, b, d] split between ``tp`` ranks (and so between
+    pipeline stages) in ``mode``, from the placement table; None: whole (boost: 2)."""
+    return tensor_split(mode, Tensor.STREAM) if tp > 1 else None
+
+
 def schedule_seq_length(config: BoostTransformerConfig, seq_length: int) -> int:
-    """The seq_length to hand megatron-core's schedules (p2p buffer shape, see module doc)."""
-    if config.tp_mode is TPMode.BOOST and config.pipeline_model_parallel_size > 1:
+    """The seq_length to hand megatron-core's schedules (p2p buffer shape, see module doc):
+    s/t where the placement table splits the stream between stages (boost)."""
+    if (stream_split(config.tp_mode, config.tensor_model_parallel_size) is not None
+            and config.pipeline_model_parallel_size > 1):
         tp = config.tensor_model_parallel_size
         check_pipeline_seq_length(config.tp_mode, tp, config.pipeline_model_parallel_size,
                                   seq_length)
@@ -116,13 +126,17 @@ class HiddenShardedEmbedding(MegatronModule):
         super().__init__(config=config)
         self.tp_group = tp_group
         t = get_pg_size(tp_group)
-        shape = (vocab_size, config.hidden_size // t)
+        # [V, d] split as the placement table says (boost: along d)
+        self.split_axis = tensor_split(config.tp_mode, Tensor.EMBEDDING)
+        shape = tensor_local_shape(config.tp_mode, Tensor.EMBEDDING,
+                                   (vocab_size, config.hidden_size), t)
         # torch's own normal init only where megatron would initialise (docs/design.md §8)
         initial = None if config.perform_initialization else torch.empty(
             shape, dtype=config.params_dtype)
         self.word_embeddings = torch.nn.Embedding(*shape, dtype=config.params_dtype,
                                                   _weight=initial)
-        set_tensor_model_parallel_attributes(self.word_embeddings.weight, True, 1, 1)
+        set_tensor_model_parallel_attributes(self.word_embeddings.weight, True,
+                                             self.split_axis, 1)
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)  # megatron's
 
     def forward(self, input_ids, position_ids=None, tokentype_ids=None):
@@ -134,7 +148,8 @@ class HiddenShardedEmbedding(MegatronModule):
             with_context_parallel=True)
         return make_sharded_tensors_for_checkpoint(
             self.word_embeddings.state_dict(keep_vars=True), f"{prefix}word_embeddings.",
-            {"weight": 1}, sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp)
+            {"weight": self.split_axis}, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=dp_cp)
 
 
 class TiedHiddenShardedEmbedding(MegatronModule):
@@ -242,26 +257,41 @@ class BottleneckGPTModel(GPTModel):
             _number_tp_replicas(sd, get_pg_rank(self.real_pg_collection.tp))
         return sd
 
-    # Pipeline stage boundaries of boost: [s, b, d/t] travels as an [s/t, b, d] buffer.
+    # Pipeline stage boundaries where the table splits the stream (boost: [s, b, d/t]): the
+    # local stream travels as megatron's [s/t, b, d] buffer.
     def set_input_tensor(self, input_tensor) -> None:
-        if self.tp_mode is TPMode.BOOST and self.tp_size > 1:
+        axis = stream_split(self.tp_mode, self.tp_size)
+        if axis is not None:
             tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
-            input_tensor = [self._from_p2p(t) for t in tensors]
+            input_tensor = [None if t is None else p2p_to_stream(t, axis, self.tp_size)
+                            for t in tensors]
         super().set_input_tensor(input_tensor)
-
-    def _from_p2p(self, t):
-        if t is None:
-            return None
-        s_t, b, d = t.shape  # [s/t, b, d]: the p2p buffer
-        return t.view(s_t * self.tp_size, b, d // self.tp_size)  # [s, b, d/t]
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
-        if (self.tp_mode is TPMode.BOOST and self.tp_size > 1 and not self.post_process
+        axis = stream_split(self.tp_mode, self.tp_size)
+        if (axis is not None and not self.post_process
                 and self.config.pipeline_model_parallel_size > 1):
-            s, b, d_t = out.shape  # [s, b, d/t]
-            out = out.view(s // self.tp_size, b, d_t * self.tp_size)  # [s/t, b, d]
+            out = stream_to_p2p(out, axis, self.tp_size)
         return out
+
+
+def p2p_to_stream(buffer: torch.Tensor, axis: int, tp: int) -> torch.Tensor:
+    """megatron's p2p buffer [s/t, b, d] viewed as the local stream split along ``axis``
+    (boost: 2, [s, b, d/t]); the same elements, no copy."""
+    shape = list(buffer.shape)
+    shape[0] *= tp
+    shape[axis] //= tp
+    return buffer.view(shape)  # [s/t, b, d] -> boost: [s, b, d/t]
+
+
+def stream_to_p2p(stream: torch.Tensor, axis: int, tp: int) -> torch.Tensor:
+    """The local stream split along ``axis`` (boost: [s, b, d/t]) viewed as megatron's p2p
+    buffer [s/t, b, d]; the same elements, no copy."""
+    shape = list(stream.shape)
+    shape[axis] *= tp
+    shape[0] //= tp
+    return stream.view(shape)  # boost: [s, b, d/t] -> [s/t, b, d]
 
 
 def _replicated_over_tp(sh) -> bool:

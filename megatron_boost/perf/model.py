@@ -107,7 +107,8 @@ from megatron_boost.analysis.ledger import (CORE_ATTENTION_SCOPE, LayerLedger, L
                                             layer_ledger)
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
 from megatron_boost.config.modes import TPMode, check_tp_split, resolve_sequence_parallel
-from megatron_boost.config.placement import local_factor_shapes
+from megatron_boost.config.placement import (Dim, Group, Tensor, local_factor_shapes,
+                                             local_numel, split_dims)
 from megatron_boost.perf.hardware import (BYTES_ACT, BYTES_GRAD, BYTES_OPTIM, BYTES_WEIGHT,
                                           CE_BYTES_BWD, CE_BYTES_FWD,
                                           OPTIMIZER_BYTES_PER_PARAM, HardwareSpec)
@@ -231,9 +232,10 @@ def layer_work(shape: ModelShape, mode: str, t: int, sequence_parallel: bool = F
     naive replicated."""
     mode = check_mode(mode)
     gemms = _factor_gemms(shape, mode, t)
-    norms = 2 * shape.hidden / t if mode is TPMode.BOOST else 2 * shape.hidden
+    norms = local_numel(mode, Tensor.NORM_WEIGHT, 2 * shape.hidden, t)
     sp = sequence_parallel and mode is TPMode.FULL
-    heads = shape.heads if mode is TPMode.NAIVE else shape.heads / t  # naive: replicated
+    # the heads are split where qkv is split along its output (not naive: replicated)
+    heads = shape.heads / t if Dim.D_OUT in split_dims(mode, Group.QKV) else shape.heads
     spec = LedgerSpec(shape=shape, mode=mode.value, tp=t, micro_batch=micro_batch,
                       seq_length=shape.seq_length, dtype="bf16", sequence_parallel=sp,
                       overlap_chunks=overlap_chunks if mode is TPMode.BOOST else 1)
@@ -292,7 +294,7 @@ def _validate(shape: ModelShape, layout: Layout) -> None:
     rc = layout.recompute or "none"
     if rc not in RECOMPUTE:
         raise ValueError(f"unknown recompute '{rc}'; one of {RECOMPUTE}")
-    if rc == "lowrank" and mode == "full":
+    if rc == "lowrank" and not TPMode.parse(mode).is_lowrank:
         raise ValueError("recompute 'lowrank' needs a bottleneck model (mode naive or boost)")
     resolve_sequence_parallel(mode, t, layout.sequence_parallel)  # refuses SP outside full
     if p > shape.num_layers:
@@ -329,7 +331,8 @@ class _Setting:
                    work=layer_work(shape, layout.mode, t, sp, layout.micro_batch,
                                    layout.overlap_chunks),
                    n=layout.micro_batch * shape.seq_length, m=layout.num_micro_batches,
-                   d_loc=d / t if layout.mode == "boost" or sp else d, sp=sp,
+                   d_loc=local_numel(layout.mode, Tensor.STREAM, d, t, sequence_parallel=sp),
+                   sp=sp,
                    tp_intra=t <= gpn,
                    dp_intra=t * dp <= gpn, pp_intra=t * dp * p <= gpn)
 
@@ -363,7 +366,7 @@ def _recompute_cost(st: _Setting, g_fwd: float, gB_fwd: float, a_fwd: float, el_
         return g_fwd + a_fwd + el_fwd, c_fwd
     # lowrank: the B GEMMs and the attention core (docs/design.md §7); naive's B outputs come
     # out of an all-reduce, so they are kept, not recomputed
-    return (a_fwd if st.layout.mode == "naive" else gB_fwd + a_fwd), 0.0
+    return (a_fwd if TPMode.parse(st.layout.mode) is TPMode.NAIVE else gB_fwd + a_fwd), 0.0
 
 
 def _exposed_tp_seconds(st: _Setting, ledger) -> Tuple[float, float]:
@@ -432,9 +435,12 @@ def _head_times(st: _Setting) -> Dict[str, float]:
     """LM head and vocab-parallel cross entropy (last stage), forward + backward of one
     micro-batch, per category."""
     n, hw, d, t, V = st.n, st.hw, st.shape.hidden, st.layout.tp, st.shape.vocab
-    hf, hb = _gemm_fwd_bwd([Gemm("lm_head", V / t, d, "head")], n, hw)
-    el_f = elementwise_time(n * (4 * d + CE_BYTES_FWD * V / t), hw, 6)
-    el_b = elementwise_time(n * (6 * d + CE_BYTES_BWD * V / t), hw, 3)
+    def vocab_share(size):  # the head's [V, d] is split along V (the table's HEAD entry)
+        return local_numel(st.layout.mode, Tensor.HEAD, size, t)
+
+    hf, hb = _gemm_fwd_bwd([Gemm("lm_head", vocab_share(V), d, "head")], n, hw)
+    el_f = elementwise_time(n * (4 * d + vocab_share(CE_BYTES_FWD * V)), hw, 6)
+    el_b = elementwise_time(n * (6 * d + vocab_share(CE_BYTES_BWD * V)), hw, 3)
     # max, sum-exp and target-logit all-reduces (fp32), then boost's all-gather of the hidden
     # shards forward and the output layer's all-reduce of d backward; with SP its input's
     # all-gather forward, reduce-scatter and re-gather backward (head_collectives)
@@ -477,7 +483,9 @@ def _stage_params(st: _Setting, layers: List[int]) -> List[float]:
     """Parameters per GPU of each stage: layers, embedding (first), head and final norm
     (last; the tied head needs its own copy only when it sits on another stage)."""
     shape, t, p = st.shape, st.layout.tp, len(layers)
-    emb_local = shape.vocab * shape.hidden / t
+    mode, table = st.layout.mode, shape.vocab * shape.hidden
+    emb_local = local_numel(mode, Tensor.EMBEDDING, table, t, tied=shape.tied_embeddings)
+    head_local = emb_local if shape.tied_embeddings else local_numel(mode, Tensor.HEAD, table, t)
     out = []
     for i, nl in enumerate(layers):
         sp = nl * st.work.params
@@ -485,8 +493,8 @@ def _stage_params(st: _Setting, layers: List[int]) -> List[float]:
             sp += emb_local
         if i == p - 1:
             if not shape.tied_embeddings or p > 1:
-                sp += emb_local  # untied head, or the tied copy on the last stage
-            sp += shape.hidden / t if st.layout.mode == "boost" else shape.hidden  # final norm
+                sp += head_local  # untied head, or the tied copy on the last stage
+            sp += local_numel(mode, Tensor.FINAL_NORM_WEIGHT, shape.hidden, t)  # final norm
         out.append(sp)
     return out
 
@@ -514,7 +522,8 @@ def _step_tail(st: _Setting, params_gpu: float, busiest_total: float) -> Dict[st
     shape, lay, hw = st.shape, st.layout, st.hw
     t_tied = 0.0
     if shape.tied_embeddings and lay.pp > 1:
-        emb_local = shape.vocab * shape.hidden / lay.tp
+        emb_local = local_numel(lay.mode, Tensor.EMBEDDING, shape.vocab * shape.hidden, lay.tp,
+                                tied=True)
         t_tied = allreduce_time(emb_local * BYTES_GRAD, 2, hw, st.pp_intra)
     opt_params = params_gpu / (lay.dp if lay.distributed_optimizer else 1)
     return {"dp": _dp_seconds(st, params_gpu, busiest_total), "tied": t_tied,
@@ -552,7 +561,7 @@ def _stage_memory(st: _Setting, i: int, nl: int, sp: float) -> Dict[str, float]:
     if i == 0:  # embedding output
         act += n * st.d_loc * BYTES_ACT * inflight
     if i == p - 1:  # bf16 logits + fp32 softmax of the vocab-parallel cross entropy
-        act += n * (st.shape.vocab / lay.tp) * (BYTES_ACT + 4)
+        act += n * local_numel(lay.mode, Tensor.HEAD, st.shape.vocab, lay.tp) * (BYTES_ACT + 4)
     opt_div = lay.dp if lay.distributed_optimizer else 1
     mem = {"weights": sp * BYTES_WEIGHT / 1e9, "grads": sp * BYTES_GRAD / 1e9,
            "optimizer": sp * BYTES_OPTIM / opt_div / 1e9, "activations": act / 1e9,

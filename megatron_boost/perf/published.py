@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.modes import TPMode
 from megatron_boost.perf.hardware import HardwareSpec, hardware
 from megatron_boost.perf.model import Layout, predict
 
@@ -37,11 +38,11 @@ PUBLISHED_SHAPES: Dict[str, ModelShape] = {
 }
 
 # (tp, pp, {mode: published seconds per iteration}); A100, micro-batch 4, seq 4096, bf16.
-PUBLISHED_A100: Dict[str, Tuple[int, int, Dict[str, float]]] = {
-    "1B": (1, 1, {"full": 0.85, "naive": 0.56, "boost": 0.59}),
-    "3B": (2, 1, {"full": 1.14, "naive": 1.41, "boost": 0.78}),
-    "7B": (4, 1, {"full": 1.06, "naive": 1.64, "boost": 0.72}),
-    "13B": (4, 2, {"full": 2.07, "naive": 2.42, "boost": 1.30}),
+PUBLISHED_A100: Dict[str, Tuple[int, int, Dict[TPMode, float]]] = {
+    "1B": (1, 1, {TPMode.FULL: 0.85, TPMode.NAIVE: 0.56, TPMode.BOOST: 0.59}),
+    "3B": (2, 1, {TPMode.FULL: 1.14, TPMode.NAIVE: 1.41, TPMode.BOOST: 0.78}),
+    "7B": (4, 1, {TPMode.FULL: 1.06, TPMode.NAIVE: 1.64, TPMode.BOOST: 0.72}),
+    "13B": (4, 2, {TPMode.FULL: 2.07, TPMode.NAIVE: 2.42, TPMode.BOOST: 1.30}),
 }
 
 #: The rows of the paper's table as this project runs them: (config, tp, pp, published row or
@@ -61,7 +62,7 @@ PAPER_ROWS: Dict[str, Tuple[str, int, int, Optional[str]]] = {
 #: fitted: this model prices our boost layer from its op ledger (``analysis/ledger.py``), which
 #: fuses the norm and σ and moves no layout copies, unlike the authors' layer; where it
 #: predicts less time than they measured, that is the claim the GPU check has to confirm.
-FIT_MODES = ("full", "naive")
+FIT_MODES = (TPMode.FULL, TPMode.NAIVE)
 
 PUBLISHED_SETUP = dict(gpu="a100-80gb-perlmutter", gpus_per_node=4, micro_batch=4, seq_length=4096,
                        dp=1, num_micro_batches=1, recompute="none")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.modes import TPMode
 from megatron_boost.perf.hardware import HardwareSpec
 from megatron_boost.perf.model import RECOMPUTE, Layout, Prediction, predict
 
@@ -44,7 +45,7 @@ def recommend(shape: ModelShape, gpus: int, hw: HardwareSpec, modes: Sequence[st
                         continue
                     gb = global_batch
                     for rc in recomputes:
-                        if rc == "lowrank" and mode == "full":
+                        if rc == "lowrank" and not TPMode.parse(mode).is_lowrank:
                             continue
                         lay = Layout(mode=mode, tp=tp, pp=pp, dp=dp, micro_batch=b,
                                      global_batch=gb, recompute=rc,

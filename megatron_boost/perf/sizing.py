@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.modes import TPMode
 from megatron_boost.perf.hardware import hardware
 from megatron_boost.perf.model import Layout, predict
 
@@ -46,7 +47,8 @@ def sizing_configs(config_dir: Path) -> List[Path]:
 
 
 def _params(cfg) -> int:
-    return ModelShape.from_config(cfg.model).model_params(cfg.parallel.mode != "full")
+    lowrank = TPMode.parse(cfg.parallel.mode).is_lowrank
+    return ModelShape.from_config(cfg.model).model_params(lowrank)
 
 
 def _row(path: Path, root: Path) -> Dict:
@@ -63,7 +65,8 @@ def _row(path: Path, root: Path) -> Dict:
                     sequence_parallel=par.sequence_parallel)
     shape = ModelShape.from_config(m, name=path.name)
     preds = {gpu: predict(shape, layout, hardware(gpu)) for gpu in SIZING_GPUS}
-    ranks = "—" if par.mode == "full" else "/".join(str(r) for r in m.resolved_ranks())
+    ranks = ("—" if TPMode.parse(par.mode) is TPMode.FULL
+             else "/".join(str(r) for r in m.resolved_ranks()))
     return dict(config=str(path.relative_to(root)), mode=par.mode, params=_params(cfg),
                 shape=f"{m.num_layers}×{m.hidden_size}", ranks=ranks,
                 layout=f"{par.tp}×{par.pp}×{dp}", batch=f"{tr.micro_batch_size}/"

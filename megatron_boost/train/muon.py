@@ -44,6 +44,7 @@ from megatron.core.models.common.language_module.language_module import Language
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from megatron_boost.compat import optimizer_param_groups
+from megatron_boost.config.placement import placement
 from megatron_boost.parallel.layers import BottleneckGroup
 
 __all__ = ["NS_COEFFICIENTS", "SCALE_RULES", "newton_schulz", "update_scale", "BoostMuon",
@@ -184,19 +185,18 @@ def muon_params(ddp_chunks) -> List[torch.Tensor]:
 
 def _global_factor_rows(ddp_chunks) -> Dict[int, Tuple[int, ...]]:
     """id of each grouped factor (A, B) -> its projections' global row counts, read through the
-    layers' ``factors`` views and the parameter's ``partition_dim`` (naive's A and boost's B
-    shard the rows). Global, so a checkpoint of any TP size resumes."""
+    layers' ``factors`` views and the placement table's split axis of the factor (naive's A
+    and boost's B shard the rows). Global, so a checkpoint of any TP size resumes."""
     rows = {}
     for chunk in ddp_chunks:
         for module in chunk.modules():
             if not isinstance(module, BottleneckGroup):
                 continue
-            for which in ("A", "B"):
-                param = getattr(module, which)
-                split_rows = (getattr(param, "tensor_model_parallel", False)
-                              and param.partition_dim == 0)
-                scale = module.tp_size if split_rows else 1
-                rows[id(param)] = tuple(f.shape[0] * scale for f in module.factors(which))
+            entry = placement(module.mode, module.group)
+            for which, factor in (("A", entry.a), ("B", entry.b)):
+                scale = module.tp_size if factor.split == 0 else 1  # rows split t ways
+                rows[id(getattr(module, which))] = tuple(f.shape[0] * scale
+                                                        for f in module.factors(which))
     return rows
 
 
