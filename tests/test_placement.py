@@ -54,9 +54,12 @@ def _consumers():
 
 def _muon_rows(layer):
     """Muon's global rows of the layer's A and B: the local rows, times the TP size where the
-    table splits a factor's rows (the layer is built at TP 1, then told it has TP ranks)."""
+    table splits a factor's rows (the layer is built at TP 1, then told it has TP ranks; its
+    factor views stay those of the rows it holds)."""
     from megatron_boost.train.muon import _global_factor_rows
 
+    views = {which: layer.factors(which) for which in ("A", "B")}  # the rows built at TP 1
+    layer.factors = views.__getitem__
     layer.tp_size = TP
     rows = _global_factor_rows([layer])
     return rows[id(layer.A)], rows[id(layer.B)]
@@ -295,7 +298,9 @@ def _replicated(mode, tensor, consumers):
 @pytest.mark.parametrize("entry,changed,consumers", [
     _replicated(TPMode.BOOST, P.Tensor.STREAM, _STREAM_CONSUMERS),
     _replicated(TPMode.BOOST, P.Tensor.NORM_WEIGHT, {"perf_norms"}),
-    _replicated(TPMode.BOOST, P.Tensor.FINAL_NORM_WEIGHT, {"perf_last"}),
+    # boost's final γ is replicated (the norm runs after the gather): split it instead
+    pytest.param((TPMode.BOOST, P.Tensor.FINAL_NORM_WEIGHT), P.TensorPlacement(0), {"perf_last"},
+                 id="boost-final_norm_weight-split"),
     _replicated(TPMode.BOOST, P.Tensor.EMBEDDING, {"gpt_embedding_shape", "gpt_embedding_axis",
                                                     "perf_first", "perf_tied"}),
     _replicated(TPMode.BOOST, P.Tensor.HEAD, {"perf_last", "perf_head_gemm", "perf_logits"}),
@@ -303,7 +308,8 @@ def _replicated(mode, tensor, consumers):
                                                   "sp_seq_rule"}),
 ])
 def test_every_consumer_follows_one_tensor_entry(monkeypatch, entry, changed, consumers):
-    """One TENSORS entry made replicated changes exactly the consumers that read it, each of
+    """One TENSORS entry changed (made replicated, or split) changes exactly the consumers that
+    read it, each of
     them (and no other): a consumer that wrote its split by hand would stay as it was."""
     before = _tensor_consumers(monkeypatch)
     d, s = SHAPE.hidden, 16
