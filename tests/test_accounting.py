@@ -25,7 +25,7 @@ from megatron_boost.analysis.comm import LayerCommSpec, layer_comm_formula, meas
 from megatron_boost.analysis.comm_report import GIB, comm_volume_report
 from megatron_boost.analysis.flops import (attention_core_flops, count_flops,
                                            forward_flops_per_token, rank_step_flops, step_flops)
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.analysis.memory import SavedActivations
 
 ROOT = Path(__file__).resolve().parents[1]

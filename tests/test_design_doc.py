@@ -138,7 +138,7 @@ def test_the_communication_table_is_the_formula():
     formula, which reads the placement table, gives: symbols, collective count and the
     CoLA-7B forward elements per token."""
     from megatron_boost.analysis.comm import layer_comm_formula
-    from megatron_boost.analysis.shape import MODES, ModelShape
+    from megatron_boost.config.shape import MODES, ModelShape
 
     cola_7b = ModelShape("CoLA-7B", num_layers=32, hidden=4096, ffn=11008, heads=32,
                          attn_rank=1024, mlp_rank=1024)

@@ -11,7 +11,7 @@ import torch
 
 from megatron_boost.analysis.fusion_check import fusion_cost, jit_fuser_problem
 from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.runtime import stages
 
 pytestmark = pytest.mark.fast

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_boost.analysis.ledger import LedgerSpec, ledger_in_process
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 
 pytestmark = pytest.mark.fast
 

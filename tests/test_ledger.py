@@ -18,7 +18,7 @@ import pytest
 
 from megatron_boost.analysis.comm import tp_comm_widths
 from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger, ledger_in_process
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.placement import local_factor_shapes
 
 pytestmark = [pytest.mark.fast, pytest.mark.compat]  # the tiers: docs/testing.md

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from megatron_boost.analysis.comm import layer_comm_formula, tp_comm_widths
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.shape import MODES, ModelShape
 from megatron_boost.cli.perf_model import main
 from megatron_boost.perf import model as pm
 from megatron_boost.perf.hardware import SUSTAINED_A100, hardware

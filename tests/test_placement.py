@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from megatron_boost.analysis.comm import layer_comm_bytes_per_token, tp_comm_widths
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config import placement as P
 from megatron_boost.perf.model import layer_work
@@ -128,7 +128,7 @@ def test_configs_are_read_by_type_not_by_their_attributes():
     from types import SimpleNamespace
 
     from megatron_boost.analysis.flops import forward_flops_per_token
-    from megatron_boost.analysis.shape import config_mode
+    from megatron_boost.config.shape import config_mode
     from megatron_boost.config.run import load_run_config
 
     cfg = load_run_config("configs/debug.yaml", ["parallel.mode=naive"])

@@ -1,7 +1,7 @@
 """Tensor-parallel communication of one decoder layer: the formula and its measurement.
 
 * **Formula** (:func:`tp_comm_widths`, :func:`layer_comm_formula`): docs/design.md §5's
-  per-layer table, derived from the one :class:`~megatron_boost.analysis.shape.ModelShape` for
+  per-layer table, derived from the one :class:`~megatron_boost.config.shape.ModelShape` for
   any shape (GQA, kv_channels, separate attention / MLP ranks). MHA reduces to full 2d / 2d,
   naive 5d + 2f / 3d + f, boost 7r + 2 / 7r (BOOST, arXiv 2512.12131).
 * **Measurement** (:func:`measure_layer_comm`, :func:`layer_comm_worker`): ONE megatron-core
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
 
-from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
+from megatron_boost.config.shape import MODES, ModelShape, check_mode
 from megatron_boost.config.placement import (GROUPS, Norm, collective_widths,
                                                layer_collectives, placement)
 

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Dict, Optional, Sequence, TextIO
 
 from megatron_boost.analysis.comm import layer_comm_formula
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.shape import MODES, ModelShape
 
 __all__ = ["GIB", "DTYPE_BYTES", "PUBLISHED_7B_FWD", "PUBLISHED_7B_SETTING",
            "comm_volume_report", "print_report"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_boost.analysis.shape import ModelShape, check_mode, config_mode
+from megatron_boost.config.shape import ModelShape, check_mode, config_mode
 from megatron_boost.config.modes import TPMode
 
 __all__ = ["flops_per_token", "forward_flops_per_token", "step_flops", "rank_step_flops",
@@ -37,7 +37,7 @@ __all__ = ["flops_per_token", "forward_flops_per_token", "step_flops", "rank_ste
 
 
 def _mode_of(cfg: Any, mode: Optional[str]) -> TPMode:
-    """The explicit mode, else the config's own (:func:`~megatron_boost.analysis.shape.
+    """The explicit mode, else the config's own (:func:`~megatron_boost.config.shape.
     config_mode`)."""
     return config_mode(cfg) if mode is None else check_mode(mode)
 
@@ -74,7 +74,7 @@ def forward_flops_per_token(cfg: Any, mode: Optional[str] = None, *,
 
     Args:
         cfg: a ``RunConfig``, its ``ModelConfig``, a ``(Boost)TransformerConfig`` or a
-            :class:`~megatron_boost.analysis.shape.ModelShape`.
+            :class:`~megatron_boost.config.shape.ModelShape`.
         mode: 'full' (dense projections), 'naive' or 'boost' (bottlenecks); default: the
             config's own mode.
         vocab_size: the LM head width (e.g. the padded vocabulary); default: the config's.

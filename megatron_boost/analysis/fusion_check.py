@@ -80,7 +80,7 @@ def run_fuser_notice(cfg, problem: Optional[str]) -> Optional[str]:
     if problem is None:
         return None
     from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger
-    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.shape import ModelShape
 
     par, t = cfg.parallel, cfg.training
     spec = LedgerSpec(shape=ModelShape.from_config(cfg, "run"), mode=par.mode, tp=par.tp,

@@ -63,7 +63,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_boost.analysis.kernel_models import CUDA_KERNEL_MODELS, cuda_kernel_models
 from megatron_boost.analysis.op_recorder import Kernel, Scopes, recorder_class
-from megatron_boost.analysis.shape import ModelShape, check_mode
+from megatron_boost.config.shape import ModelShape, check_mode
 
 __all__ = ["KINDS", "TRAFFIC_KINDS", "Kernel", "CollectiveEntry", "LayerLedger", "LedgerSpec",
            "CUDA_KERNEL_MODELS", "in_attention", "layer_ledger", "measure_ledgers",

@@ -91,7 +91,7 @@ def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_lengt
     """One :class:`~megatron_boost.analysis.ledger.LedgerSpec` per mode; ValueError naming the
     rule a mode breaks at this layout (checked before anything is built)."""
     from megatron_boost.analysis.ledger import LedgerSpec
-    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.shape import ModelShape
 
     specs = []
     for label in modes:

@@ -31,7 +31,6 @@ projections' outputs ((q, k, v); (gate, up)), which ``BottleneckSelfAttention`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
@@ -45,6 +44,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size, make_tp_sharded_tensor
 
 from megatron_boost.compat import linear_with_dgrad_allreduce
 from megatron_boost.config.modes import TPMode, check_divisible_by_tp
+from megatron_boost.config.shape import Projection
 from megatron_boost.config.transformer import (BoostTransformerConfig, get_bottleneck_activation,
                                                get_bottleneck_activation_grad, is_identity)
 from megatron_boost.parallel.mappings import (
@@ -63,7 +63,6 @@ from megatron_boost.config.placement import GROUP_PROJECTIONS, Dim, Group, Norm,
 __all__ = [
     "cola_std",
     "cola_init_",
-    "Projection",
     "BottleneckGroup",
     "BoostBottleneckGroup",
     "NaiveBottleneckGroup",
@@ -91,18 +90,6 @@ def cola_init_(master: torch.Tensor, rank: int, d_in: int, d_out: int) -> torch.
     with torch.no_grad():
         master.normal_(0.0, cola_std(rank, d_in, d_out))
     return master
-
-
-@dataclass(frozen=True)
-class Projection:
-    """One bottleneck projection of a group."""
-
-    name: str
-    """Suffix of its parameters: A_<name>, B_<name>."""
-    rank: int
-    """Bottleneck rank r."""
-    out_size: int
-    """Global output size d_out."""
 
 
 class BottleneckGroup(MegatronModule):
@@ -153,13 +140,13 @@ class BottleneckGroup(MegatronModule):
         # the rank, so A's rows are split and B's whole.
         self._a_rows = [p.rank if self._a_axis == 1 else p.rank // self.tp_size
                         for p in self.projections]
-        self._b_rows = [p.out_size // self.tp_size if self._b_axis == 0 else p.out_size
+        self._b_rows = [p.d_out // self.tp_size if self._b_axis == 0 else p.d_out
                         for p in self.projections]
         a_shards, b_shards = [], []
         for p in self.projections:  # drawn in the order A_p, B_p (same seed, same weights)
             a_shards.append(self._initial_shard(p.rank, input_size, self._a_axis,
                                                 config.init_method, p, device))
-            b_shards.append(self._initial_shard(p.out_size, p.rank, self._b_axis,
+            b_shards.append(self._initial_shard(p.d_out, p.rank, self._b_axis,
                                                 config.output_layer_init_method, p, device))
         # Each factor of the group stored as ONE parameter, the projections' factors stacked by
         # rows: A [Σ local r, local d_in], B [Σ local d_out, local r] (a group shares one
@@ -198,7 +185,7 @@ class BottleneckGroup(MegatronModule):
             return torch.empty(shape, device=device, dtype=dtype)
         master = torch.empty(rows, cols, dtype=torch.float32)
         if self.config.cola_init:
-            cola_init_(master, p.rank, self.input_size, p.out_size)
+            cola_init_(master, p.rank, self.input_size, p.d_out)
         else:
             init(master)
         local = master.chunk(self.tp_size, dim=axis)[self.tp_rank]
@@ -210,7 +197,7 @@ class BottleneckGroup(MegatronModule):
         entry = placement(self.mode, self.group)
         split = {(f.rows, f.cols)[f.split] for f in (entry.a, entry.b)}
         sizes = {Dim.D_IN: [("input size", self.input_size)],
-                 Dim.D_OUT: [(f"output size of '{p.name}'", p.out_size)
+                 Dim.D_OUT: [(f"output size of '{p.name}'", p.d_out)
                              for p in self.projections],
                  Dim.RANK: [(f"rank of '{p.name}'", p.rank) for p in self.projections]}
         check_divisible_by_tp(self.tp_size, [(f"{type(self).__name__}: {what}", size,
@@ -390,7 +377,7 @@ class NaiveBottleneckGroup(BottleneckGroup):
                              self.tp_group)  # fwd: AR(Σ d_out); bwd: identity
         if len(self.projections) == 1:
             return out
-        return self.outputs(out.split([p.out_size for p in self.projections], dim=-1))
+        return self.outputs(out.split([p.d_out for p in self.projections], dim=-1))
 
     def _main_grad(self, which: str, dtype) -> Optional[torch.Tensor]:
         """The factor's main_grad when its weight-gradient GEMM accumulates into it
@@ -450,24 +437,25 @@ class _QKVMixin:
             raise ValueError(f"linear_qkv output_size ({output_size}) must equal heads·hn + "
                              f"2·groups·hn ({q_out + 2 * kv_out})")
         r = config.attn_rank
-        return [Projection("q", r, q_out), Projection("k", r, kv_out),
-                Projection("v", r, kv_out)]
+        return [Projection("q", input_size, q_out, r), Projection("k", input_size, kv_out, r),
+                Projection("v", input_size, kv_out, r)]
 
 
 
-def _fc1_projections(config, output_size):
+def _fc1_projections(config, input_size, output_size):
     ffn = output_size // 2
     if output_size != 2 * config.ffn_hidden_size:
         raise ValueError(f"linear_fc1 output_size ({output_size}) must be 2·ffn_hidden_size "
                          f"({2 * config.ffn_hidden_size}): the MLP is gated (gate, up)")
     # MLP chunks the local output in two: [gate_local; up_local], which concat gives.
-    return [Projection("gate", config.mlp_rank, ffn), Projection("up", config.mlp_rank, ffn)]
+    return [Projection("gate", input_size, ffn, config.mlp_rank),
+            Projection("up", input_size, ffn, config.mlp_rank)]
 
 
-def _row_projection(config, group: Group, output_size):
+def _row_projection(config, group: Group, input_size, output_size):
     """The one projection of a row group (proj: o, fc2: down), at its group's rank."""
     rank = config.attn_rank if group.rank_kind == "attn" else config.mlp_rank
-    return [Projection(GROUP_PROJECTIONS[group][0], rank, output_size)]
+    return [Projection(GROUP_PROJECTIONS[group][0], input_size, output_size, rank)]
 
 
 class BoostLinearQKV(_QKVMixin, BoostBottleneckGroup):
@@ -505,7 +493,8 @@ class BoostLinearFC1(BoostBottleneckGroup):
                  gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _fc1_projections(config, output_size), tp_group)
+        super().__init__(config, input_size, _fc1_projections(config, input_size, output_size),
+                         tp_group)
 
     def forward(self, x):
         return super().forward(x), None
@@ -520,8 +509,8 @@ class BoostLinearRow(BoostBottleneckGroup):
                  input_is_parallel=True, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _row_projection(config, self.group, output_size),
-                         tp_group)
+        super().__init__(config, input_size,
+                         _row_projection(config, self.group, input_size, output_size), tp_group)
 
     def forward(self, x):
         return super().forward(x), None
@@ -576,7 +565,7 @@ class NaiveLinearFC1(_NaiveSlot, NaiveBottleneckGroup):
                  gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _fc1_projections(config, output_size),
+        super().__init__(config, input_size, _fc1_projections(config, input_size, output_size),
                          self._group(tp_group, bottleneck_tp_group))
 
     def forward(self, x):
@@ -591,7 +580,8 @@ class NaiveLinearRow(_NaiveSlot, NaiveBottleneckGroup):
                  input_is_parallel=True, skip_bias_add=True, is_expert=False,
                  tp_comm_buffer_name=None, tp_group=None, bottleneck_tp_group=None, **kwargs):
         _reject_bias(bias, type(self).__name__)
-        super().__init__(config, input_size, _row_projection(config, self.group, output_size),
+        super().__init__(config, input_size,
+                         _row_projection(config, self.group, input_size, output_size),
                          self._group(tp_group, bottleneck_tp_group))
 
     def forward(self, x):

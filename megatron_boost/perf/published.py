@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.shape import MODES, ModelShape
 from megatron_boost.perf.hardware import HardwareSpec, hardware
 from megatron_boost.perf.model import Layout, predict
 

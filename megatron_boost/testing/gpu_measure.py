@@ -167,7 +167,7 @@ def _attention_case(plan: Plan, case: str, backend: str) -> None:
 
 def stage_layers(plan: Plan, work: Path) -> None:
     from megatron_boost.analysis.flops import peak_tflops
-    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.shape import ModelShape
 
     setup_stage(plan)
     peak = peak_tflops(None, plan.device)

@@ -48,7 +48,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_boost.analysis.comm import StepCommShape, step_comm_bytes
 from megatron_boost.analysis.flops import flops_per_token, peak_tflops
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.resolved import resolve_run, resolved_config, resolved_config_yaml
 from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
