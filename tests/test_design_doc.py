@@ -108,7 +108,7 @@ def test_broken_citations_are_found():
     real ones are not."""
     text = ("`megatron_boost/nowhere.py` and `cola_init_` in `parallel/layers.py`, "
             "`no_such_function` in `parallel/layers.py`, `record_collectives(group)` "
-            "(`analysis/collectives.py`), `_ReplayReduce`, `_get_cuda_rng_state` (megatron's), "
+            "(`measure/collectives.py`), `_ReplayReduce`, `_get_cuda_rng_state` (megatron's), "
             "`_no_such_private()` and `BoostBottleneckGroup.no_such_method` in\n"
             "`parallel/layers.py`.")
     assert broken_citations(text) == [

@@ -330,7 +330,7 @@ def test_recommend_returns_fitting_sorted_layouts():
 
 
 # The CLI runs in this process: its layers' op ledgers are the ones the tests above measured
-# already (one per process, analysis/ledger.py); test_bad_input runs tools/perf_model.py itself.
+# already (one per process, measure/ledger.py); test_bad_input runs tools/perf_model.py itself.
 
 
 def test_cli_compare_published_writes_json(tmp_path, capsys):

@@ -46,7 +46,7 @@ def _formula_entry(f: Dict[str, Any], tokens: int, esize: int) -> Dict[str, Any]
 
 
 def _measured_entry(m: Dict[str, Any], tokens: int) -> Dict[str, Any]:
-    """A :func:`~megatron_boost.analysis.comm.layer_comm_worker` result scaled exactly to
+    """A :func:`~megatron_boost.measure.layer_comm.layer_comm_worker` result scaled exactly to
     ``tokens`` (bytes_per_token · B · S)."""
     return {"measure_tokens": m["tokens"], "element_size": m["element_size"],
             "fwd_bytes_per_token": m["fwd"]["bytes_per_token"],
@@ -69,7 +69,7 @@ def comm_volume_report(cfg: Any, micro_batch_size: int, seq_length: int, tp: int
                        modes: Sequence[str] = MODES) -> Dict[str, Any]:
     """Per-layer TP communication of one micro-batch (B·S tokens) for each mode.
 
-    ``measured``: per mode, a :func:`~megatron_boost.analysis.comm.layer_comm_worker` result
+    ``measured``: per mode, a :func:`~megatron_boost.measure.layer_comm.layer_comm_worker` result
     (bytes per token measured at a small token count); its bytes are scaled exactly. Without it
     only the formula is reported. The published 7B anchor is attached when the shape, batch and
     dtype are the authors' (see PUBLISHED_7B_SETTING)."""

@@ -33,7 +33,7 @@ from megatron_boost.config.shape import ModelShape, check_mode, config_mode
 from megatron_boost.config.modes import TPMode
 
 __all__ = ["flops_per_token", "forward_flops_per_token", "step_flops", "rank_step_flops",
-           "attention_core_flops", "count_flops", "peak_tflops", "MODEL_FLOPS_CAUSAL"]
+           "attention_core_flops", "MODEL_FLOPS_CAUSAL"]
 
 
 def _mode_of(cfg: Any, mode: Optional[str]) -> TPMode:
@@ -113,27 +113,3 @@ def rank_step_flops(cfg: Any, mode: str, tokens: int, vocab_size: int, seq_lengt
     split = shape.num_layers * proj + 2.0 * shape.hidden * V
     per_token = split / tp + (core if mode == "naive" else core / tp)
     return 3.0 * tokens * per_token
-
-
-def count_flops(fn, *args, **kwargs):
-    """(result of fn, total FLOPs counted by FlopCounterMode: mm/bmm/addmm/baddbmm/sdpa...)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        result = fn(*args, **kwargs)
-    return result, int(counter.get_total_flops())
-
-
-def peak_tflops(configured: Optional[float] = None, device_kind: str = "cpu") -> Optional[float]:
-    """Peak TFLOP/s of one device: ``configured`` (logging.peak_tflops) if given, else the
-    dense bf16 figure of this exact CUDA device (``runtime/devices.py``), else None (CPU, a
-    device not in the table: MFU is then reported as n/a)."""
-    if configured:
-        return float(configured)
-    if device_kind != "cuda":
-        return None
-    import torch
-
-    from megatron_boost.runtime.devices import peak_dense_bf16_tflops
-
-    return peak_dense_bf16_tflops(torch.cuda.get_device_name())

@@ -106,7 +106,7 @@ class Factor:
 @dataclass(frozen=True)
 class Collective:
     """One collective of the group, ``width`` elements per token handed to it (an all-gather
-    and a reduce-scatter are recorded at their full width, as ``analysis/collectives.py``
+    and a reduce-scatter are recorded at their full width, as ``measure/collectives.py``
     records them)."""
 
     width: Dim

@@ -79,7 +79,7 @@ def run_fuser_notice(cfg, problem: Optional[str]) -> Optional[str]:
     run's micro-batch and sequence) is measured only when there is a problem to price."""
     if problem is None:
         return None
-    from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger
+    from megatron_boost.measure.ledger import LedgerSpec, layer_ledger
     from megatron_boost.config.shape import ModelShape
 
     par, t = cfg.parallel, cfg.training

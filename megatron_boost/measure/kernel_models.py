@@ -1,5 +1,5 @@
 """Stand-ins for the fused kernels of a CUDA run that the CPU cannot run, while the op ledger
-records (``analysis/ledger.py``, docs/design.md §17): each the kernels the CUDA library
+records (``measure/ledger.py``, docs/design.md §17): each the kernels the CUDA library
 launches forward and backward, reading its inputs and writing its results, with the eager
 computation inside (the CPU's own kernels, counted apart), and keeping for backward what the
 library keeps."""

@@ -1,4 +1,4 @@
-"""The op ledger's recorder (``analysis/ledger.py``, docs/design.md §17): a
+"""The op ledger's recorder (``measure/ledger.py``, docs/design.md §17): a
 ``TorchDispatchMode`` that turns every ATen operator autograd issues into one :class:`Kernel`
 (its class, bytes, GEMM FLOPs, module scope), the fused regions into one kernel each, and notes
 which collectives' results each kernel reads (its ``deps``: what it must wait for on a GPU)."""
@@ -34,7 +34,7 @@ class Kernel:
     """Bytes the CPU's eager kernels of a fused region move (0 for a single kernel)."""
     accumulates: bool = False
     """It adds a weight gradient into a parameter's ``main_grad`` (DDP's hook, or a layer's own
-    in-place accumulation: ``analysis/grad_accumulation.py``)."""
+    in-place accumulation: ``measure/grad_accumulation.py``)."""
     deps: Tuple[int, ...] = ()
     """The collectives (their indices in the ledger's kernels) whose result it reads: on a GPU
     it cannot start before they end, waited for or not."""
@@ -201,12 +201,12 @@ def _storage(t) -> int:
 
 
 def attention_flops(name: str, tensors) -> float:
-    """FLOPs of an attention stand-in kernel (``analysis/kernel_models.py``): the causal core
+    """FLOPs of an attention stand-in kernel (``measure/kernel_models.py``): the causal core
     (the GPT model's attention is causal; a flash kernel skips the masked half) on q's
     [b, heads, s, e], times the kernel's share of the work (backward: 2.5x forward, the five
     matmuls of FlashAttention-2's backward against the forward's two)."""
     from megatron_boost.analysis.flops import attention_core_flops
-    from megatron_boost.analysis.kernel_models import ATTENTION_FLOP_SHARE
+    from megatron_boost.measure.kernel_models import ATTENTION_FLOP_SHARE
 
     share = ATTENTION_FLOP_SHARE.get(name, 0.0)
     if not share or not tensors:

@@ -45,7 +45,7 @@ Model of one kernel (all times in seconds; P = bf16 peak × sustained_clock_rati
   2.5× forward; efficiency ``η_attn = η_attn_max · e/(e + e_half) · s/(s + s_half)`` forward
   and ``attn_bwd_ratio · η_attn`` backward.
 * Element-wise kernels of a decoder layer: the op ledger of that layer as the model builds it
-  (``analysis/ledger.py``, docs/design.md §17: the CUDA op graph, fused regions and fused
+  (``measure/ledger.py``, docs/design.md §17: the CUDA op graph, fused regions and fused
   kernels counted once), its element-wise, fused and copy bytes per direction /
   (B_hbm · η_mem) plus t_launch per kernel; outside the layers (embedding, head, cross
   entropy, optimizer) from the shapes.
@@ -103,7 +103,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from megatron_boost.analysis.comm import (CROSS_ENTROPY_FP32_VALUES, embedding_collectives,
                                           head_collectives, tp_collectives)
 from megatron_boost.analysis.flops import step_flops
-from megatron_boost.analysis.ledger import (CORE_ATTENTION_SCOPE, LayerLedger, LedgerSpec,
+from megatron_boost.measure.ledger import (CORE_ATTENTION_SCOPE, LayerLedger, LedgerSpec,
                                             layer_ledger)
 from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
 from megatron_boost.config.modes import TPMode, check_tp_split, resolve_sequence_parallel
@@ -199,7 +199,7 @@ class LayerWork:
         return [width for direction, _, width in self.collectives if direction == "bwd"]
 
     def ledger(self, recompute: Optional[str] = None) -> "LayerLedger":
-        """The op ledger of the layer (``analysis/ledger.py``); ``recompute='lowrank'``: with
+        """The op ledger of the layer (``measure/ledger.py``); ``recompute='lowrank'``: with
         low-rank activation checkpointing (its backward holds the recompute)."""
         spec = self.ledger_spec
         if recompute == "lowrank":
@@ -380,7 +380,7 @@ def _exposed_tp_seconds(st: _Setting, ledger) -> Tuple[float, float]:
 def _memory_bound_seconds(ledger, phase: str, hw: HardwareSpec) -> float:
     """The op ledger's element-wise, fused and copy kernels of ``phase``: their bytes at the
     achieved HBM bandwidth, and a launch gap each."""
-    from megatron_boost.analysis.ledger import TRAFFIC_KINDS
+    from megatron_boost.measure.ledger import TRAFFIC_KINDS
 
     kernels = sum(ledger.count(phase, kind) for kind in TRAFFIC_KINDS)
     return elementwise_time(ledger.traffic(phase), hw, kernels=kernels)
