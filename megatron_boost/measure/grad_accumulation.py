@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
+
 __all__ = ["DDP_SCOPE", "ddp_grad_accumulation"]
 
 #: The scope of the ledger's entries that DDP's hook issues.
@@ -28,8 +30,6 @@ def ddp_grad_accumulation(layer, scopes) -> Iterator[None]:
     ``_make_backward_post_hook``: add the gradient into ``main_grad`` unless
     ``grad_added_to_main_grad``, then drop it), its kernel scoped :data:`DDP_SCOPE`. ``layer``:
     any module; ``scopes``: what has a ``backward_scope`` (the ledger's ``Scopes``)."""
-    import torch
-
     def added_by_layer(param) -> bool:
         # A layer that saved its weight for backward sets the flag on the tensor that
         # ctx.saved_tensors hands it, which under the ledger's saved-tensor hooks

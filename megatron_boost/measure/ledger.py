@@ -61,9 +61,14 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from megatron_boost.config.run import ModelConfig, RunConfig
+from megatron_boost.config.shape import ModelShape, check_mode
 from megatron_boost.measure.kernel_models import CUDA_KERNEL_MODELS, cuda_kernel_models
 from megatron_boost.measure.op_recorder import Kernel, Scopes, recorder_class
-from megatron_boost.config.shape import ModelShape, check_mode
+from megatron_boost.runtime.backends import FusedKernels, resolve_fusions
+
+# The ledger's records are read without torch (the perf model and its CLI import them): what
+# needs torch or megatron-core (building and running the layer) is imported where it runs.
 
 __all__ = ["KINDS", "TRAFFIC_KINDS", "Kernel", "CollectiveEntry", "LayerLedger", "LedgerSpec",
            "CUDA_KERNEL_MODELS", "in_attention", "layer_ledger", "measure_ledgers",
@@ -230,8 +235,6 @@ class LedgerSpec:
 
 def _run_config(spec: LedgerSpec):
     """The run configuration of ``spec``: its shape, mode, layout and precision."""
-    from megatron_boost.config.run import ModelConfig, RunConfig
-
     shape = spec.shape
     cfg = RunConfig()
     cfg.model = ModelConfig(
@@ -258,8 +261,6 @@ def _cuda_fusions(spec: LedgerSpec):
     """The fusion settings a CUDA run with Transformer Engine resolves for ``spec`` (the ledger
     counts the CUDA op graph); RoPE's and the norms' fused kernels and apex's wgrad GEMM are the
     stand-ins."""
-    from megatron_boost.runtime.backends import FusedKernels, resolve_fusions
-
     # apex's wgrad kernel too (megatron's linears accumulate into main_grad in their GEMM;
     # the kernel's stand-in: measure/kernel_models.py)
     fusions = resolve_fusions("cuda", "te", FusedKernels(te=True, wgrad_accumulation=True),
