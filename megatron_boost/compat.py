@@ -33,7 +33,7 @@ megatron knowledge that is the same in every supported version, kept here with w
   (:func:`megatron_cuda_functions`).
   With the distributed-optimizer reload workarounds (train/megatron_fixes.py, gated by
   :func:`optimizer_reload_defects`), these are every megatron attribute megatron-boost
-  replaces for a run; the collective recorder (analysis/collectives.py) only wraps, without
+  replaces for a run; the collective recorder (measure/collectives.py) only wraps, without
   changing them, megatron's gather/scatter functions while a measurement runs.
 
 megatron-core's (and torch's) known notices on this stack: "Transformer Engine and Apex are

@@ -20,7 +20,7 @@ Kinds of block:
 * ``paper-table PATH``: the paper-table report (JSON) written by ``tools/paper_table.py
   --json``, as that tool prints it (``megatron_boost.cli.paper_table.markdown_table``);
 * ``ledger PATH [PATH ...]``: the op ledgers written by ``tools/layer_ops.py --json``, one row
-  per layer (``megatron_boost.analysis.ledger.ledger_table``);
+  per layer (``megatron_boost.measure.ledger.ledger_table``);
 * ``ledger-change BEFORE AFTER``: each layer of AFTER beside the same layer of BEFORE.
 
     python scripts/render_docs.py            # rewrite the blocks in place
@@ -145,7 +145,7 @@ def _ledgers(root: Path, *paths: str) -> List[dict]:
 
 def _ledger(root: Path, *paths: str) -> str:
     """The op ledgers of ``tools/layer_ops.py --json`` files, one row per layer."""
-    from megatron_boost.analysis.ledger import ledger_table
+    from megatron_boost.measure.ledger import ledger_table
 
     return ledger_table(_ledgers(root, *paths)) + "\n"
 
@@ -153,7 +153,7 @@ def _ledger(root: Path, *paths: str) -> str:
 def _ledger_change(root: Path, before: str, after: str) -> str:
     """Each layer of ``after`` beside the same layer (mode, TP, sequence parallelism) of
     ``before``: the figures a change of the layers moves, before -> after."""
-    from megatron_boost.analysis.ledger import spec_label
+    from megatron_boost.measure.ledger import spec_label
 
     def key(entry):
         spec = entry["spec"]
@@ -190,7 +190,7 @@ def _ledger_change(root: Path, before: str, after: str) -> str:
 def _ledger_time(root: Path, *paths: str) -> str:
     """The op ledgers of ``tools/layer_ops.py --json`` files in time, one table per device
     profile (``perf/layer_time.py``)."""
-    from megatron_boost.analysis.ledger import ledger_from_dict, spec_label
+    from megatron_boost.measure.ledger import ledger_from_dict, spec_label
     from megatron_boost.perf.layer_time import (DEVICE_PROFILES, layer_time, profile_costs,
                                                 time_table)
 

@@ -21,12 +21,14 @@ import pytest
 from tests.rank_pool import distributed
 import torch
 
-from megatron_boost.analysis.comm import LayerCommSpec, layer_comm_formula, measure_layer_comm_specs
+from megatron_boost.analysis.comm import layer_comm_formula
+from megatron_boost.measure.flop_counter import count_flops
+from megatron_boost.measure.layer_comm import LayerCommSpec, measure_layer_comm_specs
 from megatron_boost.analysis.comm_report import GIB, comm_volume_report
-from megatron_boost.analysis.flops import (attention_core_flops, count_flops,
+from megatron_boost.analysis.flops import (attention_core_flops,
                                            forward_flops_per_token, rank_step_flops, step_flops)
-from megatron_boost.analysis.shape import ModelShape
-from megatron_boost.analysis.memory import SavedActivations
+from megatron_boost.config.shape import ModelShape
+from megatron_boost.measure.memory import SavedActivations
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("full", "naive", "boost")

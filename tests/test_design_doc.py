@@ -108,7 +108,7 @@ def test_broken_citations_are_found():
     real ones are not."""
     text = ("`megatron_boost/nowhere.py` and `cola_init_` in `parallel/layers.py`, "
             "`no_such_function` in `parallel/layers.py`, `record_collectives(group)` "
-            "(`analysis/collectives.py`), `_ReplayReduce`, `_get_cuda_rng_state` (megatron's), "
+            "(`measure/collectives.py`), `_ReplayReduce`, `_get_cuda_rng_state` (megatron's), "
             "`_no_such_private()` and `BoostBottleneckGroup.no_such_method` in\n"
             "`parallel/layers.py`.")
     assert broken_citations(text) == [
@@ -138,7 +138,7 @@ def test_the_communication_table_is_the_formula():
     formula, which reads the placement table, gives: symbols, collective count and the
     CoLA-7B forward elements per token."""
     from megatron_boost.analysis.comm import layer_comm_formula
-    from megatron_boost.analysis.shape import MODES, ModelShape
+    from megatron_boost.config.shape import MODES, ModelShape
 
     cola_7b = ModelShape("CoLA-7B", num_layers=32, hidden=4096, ffn=11008, heads=32,
                          attn_rank=1024, mlp_rank=1024)

@@ -1,4 +1,4 @@
-"""Fusion cannot vanish silently (megatron_boost/analysis/fusion_check.py, the GPU check's
+"""Fusion cannot vanish silently (megatron_boost/measure/fusion_check.py, the GPU check's
 profiler stage, docs/gpu.md): a CUDA run whose megatron jit_fuser does not compile is named,
 with what it costs, and fails the profiler stage. Simulated on the CPU by handing the check
 the fuser object and the environment such a run would have. Negative control: a no-op fuser
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_boost.analysis.fusion_check import fusion_cost, jit_fuser_problem
-from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.measure.fusion_check import fusion_cost, jit_fuser_problem
+from megatron_boost.measure.ledger import LedgerSpec, layer_ledger
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.runtime import stages
 
 pytestmark = pytest.mark.fast

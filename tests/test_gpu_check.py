@@ -17,7 +17,7 @@ from megatron_boost.analysis.flops import (MODEL_FLOPS_CAUSAL, attention_core_fl
                                           forward_flops_per_token)
 from megatron_boost.analysis.rank_shape import (projection_gemms, projection_training_flops,
                                                rank_layout_problem, rank_local_shape)
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.cli import gpu_check
 from megatron_boost.cli.gpu_check import FAIL_STAGE_ENV, HANG_STAGE_ENV, STAGES
 from megatron_boost.config.run import load_run_config

@@ -1,4 +1,4 @@
-"""DDP's gradient accumulation in the op ledger (megatron_boost/analysis/grad_accumulation.py,
+"""DDP's gradient accumulation in the op ledger (megatron_boost/measure/grad_accumulation.py,
 docs/design.md §17): counted in every mode, from whether the layer's parameters say their
 gradient is already in ``main_grad``. Negative control: full rank without megatron's
 gradient-accumulation fusion adds every weight's gradient through DDP's hook."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_boost.analysis.ledger import LedgerSpec, ledger_in_process
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.measure.ledger import LedgerSpec, ledger_in_process
+from megatron_boost.config.shape import ModelShape
 
 pytestmark = pytest.mark.fast
 
@@ -26,7 +26,7 @@ def _measured(mode):
 
 def _local_params(mode):
     """{name: elements} of one layer's parameters on one rank, as the ledger builds it."""
-    from megatron_boost.analysis import ledger as ledger_module
+    from megatron_boost.measure import ledger as ledger_module
     from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found, use_cpu
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -34,7 +34,7 @@ def _local_params(mode):
     with cpu_mode_left_as_found():
         use_cpu(force=True)
         with ledger_module._fake_tp_group(2), FakeTensorMode(allow_non_fake_inputs=True):
-            from megatron_boost.analysis.kernel_models import cuda_kernel_models
+            from megatron_boost.measure.kernel_models import cuda_kernel_models
 
             with cuda_kernel_models():
                 layer = ledger_module._build(spec)[0]
@@ -66,7 +66,7 @@ def test_full_rank_accumulates_in_its_weight_gradient_gemms(monkeypatch):
     """Megatron's linears with gradient_accumulation_fusion add into main_grad in their wgrad
     GEMM and set grad_added_to_main_grad: DDP's hook adds only the norms' weights. Without
     the fusion (negative control) it adds every weight's gradient."""
-    from megatron_boost.analysis import ledger as ledger_module
+    from megatron_boost.measure import ledger as ledger_module
 
     fused = _measured("full")
     assert len(fused.ddp_accumulation()) == 2  # the two RMSNorm weights
@@ -127,8 +127,8 @@ def test_ddps_rule_adds_a_gradient_once(accumulate, saved_tensor_hooks):
 
     import torch
 
-    from megatron_boost.analysis.grad_accumulation import ddp_grad_accumulation
-    from megatron_boost.analysis.memory import SavedActivations
+    from megatron_boost.measure.grad_accumulation import ddp_grad_accumulation
+    from megatron_boost.measure.memory import SavedActivations
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 3, bias=False)

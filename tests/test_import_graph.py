@@ -18,8 +18,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_boost"
 
 #: The rooms from the lowest to the highest (docs/design.md §13). A module may import from its
 #: own room and from rooms below it, never from one above.
-ROOMS = ("compat", "runtime", "data", "config", "parallel", "model", "analysis", "perf", "train",
-         "convert", "testing", "cli", "__main__")
+ROOMS = ("compat", "runtime", "data", "config", "analysis", "parallel", "model", "measure",
+         "perf", "train", "convert", "testing", "cli", "__main__")
+
+#: Rooms of plain Python: no import of torch or megatron-core in any of their modules, at the top
+#: or inside a function (analysis/: the formulas, from shapes only; measure/ runs the layers).
+TORCH_FREE_ROOMS = ("analysis",)
 
 
 def _modules() -> Iterator[Tuple[str, Path]]:
@@ -116,14 +120,35 @@ def test_no_private_name_from_another_module():
     assert private_imports() == []
 
 
+def torch_imports(rooms=TORCH_FREE_ROOMS):
+    """'module:line imports name' for every import of torch or megatron in ``rooms``."""
+    found = []
+    for module, path in _modules():
+        if _room(module) not in rooms:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{module}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] in ("torch", "megatron")]
+    return found
+
+
+def test_the_formula_rooms_import_no_torch():
+    """analysis/ holds the formulas (FLOPs, communication, the rank's shapes), read from shapes
+    with plain Python; what runs the layers (torch, megatron-core) is measure/."""
+    assert torch_imports() == []
+
+
 @pytest.mark.parametrize("source,expect", [
     ("from megatron_boost.train.step import train_step\n", "upward"),
     ("from megatron_boost.model.specs import _self_group\n", "private"),
     ("from megatron_boost.model import specs\nspecs._self_group()\n", "private"),
+    ("def count():\n    import torch\n    return torch\n", "torch"),
 ])
 def test_the_checks_see_a_violation(tmp_path, monkeypatch, source, expect):
-    """Negative control: a module of the analysis room that imports upwards, or a private name,
-    is reported."""
+    """Negative control: a module of the analysis room that imports upwards, a private name, or
+    torch (lazily) is reported."""
     fake = tmp_path / "megatron_boost"
     for room in ROOMS:
         (fake / room).mkdir(parents=True)
@@ -131,7 +156,8 @@ def test_the_checks_see_a_violation(tmp_path, monkeypatch, source, expect):
     (fake / "analysis" / "bad.py").write_text(source)
     (fake / "model" / "specs.py").write_text("def _self_group():\n    pass\n")
     monkeypatch.setitem(globals(), "PACKAGE", fake)
-    found = upward_imports() if expect == "upward" else private_imports()
+    found = {"upward": upward_imports, "private": private_imports,
+             "torch": torch_imports}[expect]()
     assert len(found) == 1 and "megatron_boost.analysis.bad:" in found[0], found
 
 
@@ -173,7 +199,7 @@ def test_the_design_documents_room_table_is_the_import_graph():
 #: model/gpt.py's build_model, megatron's DDP wrapper and optimizer factory in train/step.py's
 #: lower builders, and those lower builders in train/build.py (build_ddp_model calls
 #: build_model; build_optimizer calls build_muon_optimizer for optimizer.name: muon).
-#: cli/gpu_check.py and analysis/comm.py's build_decoder_layer build single decoder layers,
+#: cli/gpu_check.py and measure/layer_comm.py's build_decoder_layer build single decoder layers,
 #: none of these. One test is exempt: tests/test_cpu_mode.py runs megatron-core's own GPTModel
 #: (its local spec, not this project's model) to show CPU mode carries megatron's code paths.
 _BUILDERS = {

@@ -1,5 +1,5 @@
 """The op ledger's stand-ins for CUDA kernels the CPU cannot run
-(megatron_boost/analysis/kernel_models.py, docs/design.md §17): what each launches and keeps is
+(megatron_boost/measure/kernel_models.py, docs/design.md §17): what each launches and keeps is
 the CUDA library's. Negative controls: the RoPE stand-in keeping a tensor of the rotated
 tensor's shape, and the attention backward counted as one kernel, each fail a test here."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.measure.ledger import LedgerSpec, layer_ledger
+from megatron_boost.config.shape import ModelShape
 
 pytestmark = pytest.mark.fast
 
@@ -47,7 +47,7 @@ def test_attention_backward_is_three_kernels_with_an_fp32_dq_accumulator():
 
 def test_te_rmsnorm_backward_is_two_kernels():
     """TE's RMSNorm backward: dx with fp32 partial sums of dgamma, then their reduction."""
-    from megatron_boost.analysis.kernel_models import NORM_DGAMMA_PARTS
+    from megatron_boost.measure.kernel_models import NORM_DGAMMA_PARTS
 
     for scope in ("input_layernorm", "pre_mlp_layernorm"):
         kernels = [k for k in _full().select("bwd")

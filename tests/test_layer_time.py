@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_boost.analysis.ledger import CollectiveEntry, LayerLedger, LedgerSpec, \
+from megatron_boost.measure.ledger import CollectiveEntry, LayerLedger, LedgerSpec, \
     layer_ledger
-from megatron_boost.analysis.op_recorder import Kernel
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.measure.op_recorder import Kernel
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.perf.hardware import hardware
 from megatron_boost.perf.layer_time import DEVICE_PROFILES, KernelCosts, layer_time, \
     profile_costs

@@ -94,7 +94,7 @@ def rel_err(a, b):
 
 def run_case(kind, mode, act, t, group, k, dtype=torch.float32, wrong_shard=False,
              chunks=1):
-    from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.measure.collectives import record_collectives
 
     groups = 4 if kind == "qkv_gqa" else HEADS
     torch.manual_seed(1234)

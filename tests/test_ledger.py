@@ -1,4 +1,4 @@
-"""The per-layer op ledger (megatron_boost/analysis/ledger.py, docs/design.md §17).
+"""The per-layer op ledger (megatron_boost/measure/ledger.py, docs/design.md §17).
 
 Checked: its GEMM FLOPs and collective bytes against the shapes and the placement table (the
 ledger measures, the table states: they must agree); the classes and stand-ins of the CUDA op
@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from megatron_boost.analysis.comm import tp_comm_widths
-from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger, ledger_in_process
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.measure.ledger import LedgerSpec, layer_ledger, ledger_in_process
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.placement import local_factor_shapes
 
 pytestmark = [pytest.mark.fast, pytest.mark.compat]  # the tiers: docs/testing.md
@@ -89,7 +89,7 @@ def test_boost_at_the_paper_7b_shapes_keeps_this_rounds_targets():
     accumulation: the factors accumulate in their weight-gradient GEMMs (parallel/wgrad.py),
     so DDP's hook adds only the two norm weights, and the fused norm's γ-scaled A factors add
     in place (two kernels); before that 72 + 10 DDP adds = 82. Attention backward counts as
-    flash attention launches it (three kernels; analysis/kernel_models.py). Before the lean
+    flash attention launches it (three kernels; measure/kernel_models.py). Before the lean
     round: 12 copies, 0.31 GiB of fp32 products kept, 11.7 GB, 1.46 GiB, 130 kernels:
     docs/results/layer-ops-paper-7b-before.json."""
     ledger = layer_ledger(LedgerSpec(shape=PAPER_7B, mode="boost", tp=4, micro_batch=4,
@@ -182,7 +182,7 @@ def test_models_of_one_layer_shape_share_a_measurement(monkeypatch):
     and another layer shape is measured anew."""
     import dataclasses
 
-    from megatron_boost.analysis import ledger as ledger_module
+    from megatron_boost.measure import ledger as ledger_module
 
     measured = []
 

@@ -73,7 +73,7 @@ def _built(spec, **settings):
 def _run(rank, world):
     from megatron.core import parallel_state
 
-    from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.measure.collectives import record_collectives
     from megatron_boost.model.init import sharded_params
     from megatron_boost.testing.verification import LayoutSpec, layout_batches
     from megatron_boost.train.step import initialize_parallel

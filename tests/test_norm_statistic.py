@@ -55,7 +55,7 @@ def _grads(layer, x, checkpointed):
 def _worker(rank, world):
     from megatron.core import parallel_state
 
-    from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.measure.collectives import record_collectives
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     group = parallel_state.get_tensor_model_parallel_group()

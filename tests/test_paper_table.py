@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_boost.analysis.shape import MODES
+from megatron_boost.config.shape import MODES
 from megatron_boost.cli.pretrain import main as pretrain_main
 from megatron_boost.perf.published import PAPER_ROWS
 
@@ -98,7 +98,7 @@ def test_gpu_report_has_mfu_and_the_perf_model_prediction_of_the_run_shape():
     """The GPU branch of the table without a GPU: a measured report of the 3B row on an H200
     gets MFU from the device's peak and the prediction of the shape that ran (28 layers, not
     the 26 of the authors' timed runs)."""
-    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.shape import ModelShape
     from megatron_boost.cli.paper_table import markdown_table, summarise
     from megatron_boost.config.run import load_run_config
     from megatron_boost.perf.hardware import hardware

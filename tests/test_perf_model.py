@@ -8,7 +8,7 @@ import re
 import pytest
 
 from megatron_boost.analysis.comm import layer_comm_formula, tp_comm_widths
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.shape import MODES, ModelShape
 from megatron_boost.cli.perf_model import main
 from megatron_boost.perf import model as pm
 from megatron_boost.perf.hardware import SUSTAINED_A100, hardware
@@ -330,7 +330,7 @@ def test_recommend_returns_fitting_sorted_layouts():
 
 
 # The CLI runs in this process: its layers' op ledgers are the ones the tests above measured
-# already (one per process, analysis/ledger.py); test_bad_input runs tools/perf_model.py itself.
+# already (one per process, measure/ledger.py); test_bad_input runs tools/perf_model.py itself.
 
 
 def test_cli_compare_published_writes_json(tmp_path, capsys):

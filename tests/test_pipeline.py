@@ -38,7 +38,7 @@ def _weights(layer):
 def _run(kind, chunks, group, k, dtype=torch.float32, recompute=False):
     """One forward and backward of a boost layer on this rank's shard: its outputs, input
     gradient, weight gradients and collectives (count and bytes per direction)."""
-    from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.measure.collectives import record_collectives
     from megatron_boost.parallel.recompute import lowrank_checkpoint
 
     layer = build_layer(kind, "boost", make_config(TP, "boost", "silu",
@@ -117,7 +117,7 @@ def test_the_ledger_sees_each_all_reduce_beside_more_gemms():
     forward product all-reduce is exposed (synchronous in the one-block layer), and every
     group's backward all-reduces together have more GEMM FLOPs beside them than the one-block
     layer's (its own dB GEMMs only)."""
-    from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger
+    from megatron_boost.measure.ledger import LedgerSpec, layer_ledger
     from tests.test_ledger import SMALL
 
     def ledger(chunks):

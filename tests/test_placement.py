@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from megatron_boost.analysis.comm import layer_comm_bytes_per_token, tp_comm_widths
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config import placement as P
 from megatron_boost.perf.model import layer_work
@@ -143,7 +143,7 @@ def test_configs_are_read_by_type_not_by_their_attributes():
     from types import SimpleNamespace
 
     from megatron_boost.analysis.flops import forward_flops_per_token
-    from megatron_boost.analysis.shape import config_mode
+    from megatron_boost.config.shape import config_mode
     from megatron_boost.config.run import load_run_config
 
     cfg = load_run_config("configs/debug.yaml", ["parallel.mode=naive"])
@@ -265,7 +265,7 @@ def _tensor_consumers(monkeypatch):
     """What every consumer outside parallel/ makes of the tensors of TENSORS: the model's
     stream split between stages, its pipeline seq_length rule and its embedding table; the
     op ledger's and the comm measurement's layer input; the perf model's sizes."""
-    from megatron_boost.analysis import comm, ledger
+    from megatron_boost.measure import layer_comm as comm, ledger
     from megatron_boost.config.modes import check_pipeline_seq_length
     from megatron_boost.model.gpt import stream_split
 

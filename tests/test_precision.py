@@ -1,4 +1,4 @@
-"""bf16 against fp32 with the same weights (analysis/precision.py), every mode at TP=2.
+"""bf16 against fp32 with the same weights (measure/precision.py), every mode at TP=2.
 
 Bounds: bf16 keeps 8 mantissa bits (relative rounding 2^-9 ≈ 2e-3 per operation); the per-token
 losses of the debug model land near 2e-4 relative (the log-softmax averages many roundings) and

@@ -118,7 +118,7 @@ def _worker(rank, world):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_boost.analysis.comm import build_decoder_layer
+    from megatron_boost.measure.layer_comm import build_decoder_layer
     from megatron_boost.model.gpt import GatheredRMSNorm
     from megatron_boost.parallel import reference
 

@@ -33,7 +33,7 @@ CASES = {
 
 def _wrapped_entry_points():
     """Which of record_collectives' targets are currently replaced (by name)."""
-    from megatron_boost.analysis.collectives import _TARGETS
+    from megatron_boost.measure.collectives import _TARGETS
 
     return sorted(f"{owner.__name__}.{name}" for owner, name, _ in _TARGETS
                   if getattr(getattr(owner, name), "__name__", "") == "wrapped")

@@ -52,7 +52,7 @@ def _no_measuring(monkeypatch):
     def measured(*args, **kwargs):
         raise AssertionError("the tool started its work before checking its output path")
 
-    from megatron_boost.analysis import ledger
+    from megatron_boost.measure import ledger
     from megatron_boost.perf import model
 
     monkeypatch.setattr(ledger, "layer_ledger", measured)

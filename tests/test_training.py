@@ -558,7 +558,8 @@ def test_sampler_continues_and_reshards_by_data_parallel_rank():
 
 def test_flops_per_token_formula():
     from megatron_boost.config.run import load_run_config
-    from megatron_boost.analysis.flops import flops_per_token, forward_flops_per_token, peak_tflops
+    from megatron_boost.analysis.flops import flops_per_token, forward_flops_per_token
+    from megatron_boost.runtime.devices import peak_tflops
 
     cfg = load_run_config(DEBUG)
     d, f, L, h, g, s, V, r = 64, 128, 2, 4, 2, 32, 256, 16

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Dict, Optional, Sequence, TextIO
 
 from megatron_boost.analysis.comm import layer_comm_formula
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.shape import MODES, ModelShape
 from megatron_boost.config.modes import TPMode
 
 __all__ = ["GIB", "DTYPE_BYTES", "PUBLISHED_7B_FWD", "PUBLISHED_7B_SETTING",
@@ -47,7 +47,7 @@ def _formula_entry(f: Dict[str, Any], tokens: int, esize: int) -> Dict[str, Any]
 
 
 def _measured_entry(m: Dict[str, Any], tokens: int) -> Dict[str, Any]:
-    """A :func:`~megatron_boost.analysis.comm.layer_comm_worker` result scaled exactly to
+    """A :func:`~megatron_boost.measure.layer_comm.layer_comm_worker` result scaled exactly to
     ``tokens`` (bytes_per_token · B · S)."""
     return {"measure_tokens": m["tokens"], "element_size": m["element_size"],
             "fwd_bytes_per_token": m["fwd"]["bytes_per_token"],
@@ -70,7 +70,7 @@ def comm_volume_report(cfg: Any, micro_batch_size: int, seq_length: int, tp: int
                        modes: Sequence[str] = MODES) -> Dict[str, Any]:
     """Per-layer TP communication of one micro-batch (B·S tokens) for each mode.
 
-    ``measured``: per mode, a :func:`~megatron_boost.analysis.comm.layer_comm_worker` result
+    ``measured``: per mode, a :func:`~megatron_boost.measure.layer_comm.layer_comm_worker` result
     (bytes per token measured at a small token count); its bytes are scaled exactly. Without it
     only the formula is reported. The published 7B anchor is attached when the shape, batch and
     dtype are the authors' (see PUBLISHED_7B_SETTING)."""

@@ -29,16 +29,16 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_boost.analysis.shape import ModelShape, check_mode, config_mode
+from megatron_boost.config.shape import ModelShape, check_mode, config_mode
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config.placement import Dim, Group, split_dims
 
 __all__ = ["flops_per_token", "forward_flops_per_token", "step_flops", "rank_step_flops",
-           "attention_core_flops", "count_flops", "peak_tflops", "MODEL_FLOPS_CAUSAL"]
+           "attention_core_flops", "MODEL_FLOPS_CAUSAL"]
 
 
 def _mode_of(cfg: Any, mode: Optional[str]) -> TPMode:
-    """The explicit mode, else the config's own (:func:`~megatron_boost.analysis.shape.
+    """The explicit mode, else the config's own (:func:`~megatron_boost.config.shape.
     config_mode`)."""
     return config_mode(cfg) if mode is None else check_mode(mode)
 
@@ -75,7 +75,7 @@ def forward_flops_per_token(cfg: Any, mode: Optional[str] = None, *,
 
     Args:
         cfg: a ``RunConfig``, its ``ModelConfig``, a ``(Boost)TransformerConfig`` or a
-            :class:`~megatron_boost.analysis.shape.ModelShape`.
+            :class:`~megatron_boost.config.shape.ModelShape`.
         mode: 'full' (dense projections), 'naive' or 'boost' (bottlenecks); default: the
             config's own mode.
         vocab_size: the LM head width (e.g. the padded vocabulary); default: the config's.
@@ -116,27 +116,3 @@ def rank_step_flops(cfg: Any, mode: str, tokens: int, vocab_size: int, seq_lengt
     heads_split = Dim.D_OUT in split_dims(mode, Group.QKV)
     per_token = split / tp + (core / tp if heads_split else core)
     return 3.0 * tokens * per_token
-
-
-def count_flops(fn, *args, **kwargs):
-    """(result of fn, total FLOPs counted by FlopCounterMode: mm/bmm/addmm/baddbmm/sdpa...)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        result = fn(*args, **kwargs)
-    return result, int(counter.get_total_flops())
-
-
-def peak_tflops(configured: Optional[float] = None, device_kind: str = "cpu") -> Optional[float]:
-    """Peak TFLOP/s of one device: ``configured`` (logging.peak_tflops) if given, else the
-    dense bf16 figure of this exact CUDA device (``runtime/devices.py``), else None (CPU, a
-    device not in the table: MFU is then reported as n/a)."""
-    if configured:
-        return float(configured)
-    if device_kind != "cuda":
-        return None
-    import torch
-
-    from megatron_boost.runtime.devices import peak_dense_bf16_tflops
-
-    return peak_dense_bf16_tflops(torch.cuda.get_device_name())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Set, Tuple
 
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.modes import check_tp_split
 from megatron_boost.config.placement import Dim, Group, placement
 

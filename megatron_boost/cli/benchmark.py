@@ -21,7 +21,7 @@ timed with ``time.perf_counter`` between two barriers. Then, untimed:
 * TP comm bytes/step: every collective on the TP group during one more step
   (``record_collectives``; forward and backward, including the head and the loss);
 * saved activation bytes: tensors autograd saves during ONE micro-batch forward (per rank,
-  parameters excluded; ``analysis.memory.SavedActivations``);
+  parameters excluded; ``measure.memory.SavedActivations``);
 * FLOPs/step: analytic model FLOPs (matmuls; ``analysis.flops.step_flops``; naive and boost have the
   same model FLOPs), achieved FLOP/s = FLOPs/step ÷ median step time over the whole TP group,
   and the per-rank executed FLOPs (naive duplicates the attention core on every TP rank).
@@ -143,8 +143,8 @@ def _untimed_measurements(r: dict, job: dict, step) -> dict:
     """TP collectives of one more step and saved activations of one micro-batch forward."""
     from megatron.core import parallel_state
 
-    from megatron_boost.analysis.collectives import record_collectives
-    from megatron_boost.analysis.memory import SavedActivations
+    from megatron_boost.measure.collectives import record_collectives
+    from megatron_boost.measure.memory import SavedActivations
 
     with record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
         step(r)

@@ -60,7 +60,7 @@ def shard_bytes_per_rank(config_path: str) -> Dict[str, int]:
 
 def shard_bytes(cfg) -> Dict[str, int]:
     """:func:`shard_bytes_per_rank` of a loaded run configuration."""
-    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.shape import ModelShape
     from megatron_boost.config.modes import TPMode
 
     shape = ModelShape.from_config(cfg)

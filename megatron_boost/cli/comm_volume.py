@@ -71,7 +71,7 @@ def _invalid_mode(cfg, modes: Sequence[str], tp: int) -> Optional[str]:
 
 def _measure(cfg, modes: List[str], tp: int, tokens: int, dtype: str) -> Dict[str, Dict]:
     """Per mode, rank 0's measured layer communication; warns when the ranks disagree."""
-    from megatron_boost.analysis.comm import LayerCommSpec, layer_comm_worker
+    from megatron_boost.measure.layer_comm import LayerCommSpec, layer_comm_worker
     from megatron_boost.runtime.spawn import run_distributed
 
     model = asdict(cfg.model)

@@ -72,7 +72,7 @@ def _profiles() -> List[str]:
 
 def time_lines(ledgers, profile: str) -> List[str]:
     """The layers' time table at ``profile`` and each collective's exposed time."""
-    from megatron_boost.analysis.ledger import spec_label
+    from megatron_boost.measure.ledger import spec_label
     from megatron_boost.perf.layer_time import layer_time, profile_costs, time_table
 
     timed = [(spec_label(lg.spec), layer_time(lg, profile_costs(profile, lg.spec.tp)))
@@ -88,10 +88,10 @@ def time_lines(ledgers, profile: str) -> List[str]:
 
 def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_length: int,
                  dtype: str, chunks: int, recompute: Optional[str]) -> List:
-    """One :class:`~megatron_boost.analysis.ledger.LedgerSpec` per mode; ValueError naming the
+    """One :class:`~megatron_boost.measure.ledger.LedgerSpec` per mode; ValueError naming the
     rule a mode breaks at this layout (checked before anything is built)."""
-    from megatron_boost.analysis.ledger import LedgerSpec
-    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.measure.ledger import LedgerSpec
+    from megatron_boost.config.shape import ModelShape
 
     specs = []
     for label in modes:
@@ -113,7 +113,7 @@ def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_lengt
     return specs
 
 
-#: The table's columns (analysis/ledger.py's ledger_table) in words, printed under it so the
+#: The table's columns (measure/ledger.py's ledger_table) in words, printed under it so the
 #: table reads without --help.
 COLUMNS = {
     "kernels fwd+bwd (CPU eager)": "kernels a GPU launches forward and backward (the CPU's "
@@ -145,7 +145,7 @@ def _header(spec, path: str) -> str:
 
 def _details(ledger) -> List[str]:
     gib = 2 ** 30
-    from megatron_boost.analysis.ledger import spec_label
+    from megatron_boost.measure.ledger import spec_label
 
     name = f"{spec_label(ledger.spec)} tp={ledger.spec.tp}"
     lines = [f"{name}: collectives (phase kind scope width MiB async exposed overlapping-GEMM "
@@ -161,7 +161,7 @@ def _details(ledger) -> List[str]:
 
 
 def _kernel_lines(ledger) -> List[str]:
-    from megatron_boost.analysis.ledger import spec_label
+    from megatron_boost.measure.ledger import spec_label
 
     out = [f"{spec_label(ledger.spec)} tp={ledger.spec.tp}: kernels (phase kind name scope MB "
            f"GFLOP eager shapes)"]
@@ -177,7 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")  # megatron's CPU notices would bury the table
-    from megatron_boost.analysis.ledger import layer_ledger, ledger_json, ledger_table
+    from megatron_boost.measure.ledger import layer_ledger, ledger_json, ledger_table
     from megatron_boost.config.run import load_run_config
 
     cfg = load_run_config(args.config, args.overrides)

@@ -251,7 +251,7 @@ def run_table(args) -> dict:
 def summarise(raw: dict, dry_run: bool, warmup: int, iters: int) -> dict:
     """The table's figures from the raw per-mode times (JSON-ready)."""
     from megatron_boost.analysis.flops import step_flops
-    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.shape import ModelShape
     from megatron_boost.config.run import load_run_config
     from megatron_boost.perf.hardware import hardware
     from megatron_boost.perf.model import Layout, predict

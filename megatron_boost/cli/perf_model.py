@@ -16,7 +16,7 @@ import json
 from typing import Dict, Optional, Sequence
 
 from megatron_boost.cli.arg_types import mode_list, output_file, positive_int
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.cli.errors import one_line_errors
 from megatron_boost.perf.hardware import HARDWARE, hardware
 from megatron_boost.perf.model import RECOMPUTE, Layout, predict

@@ -1,4 +1,4 @@
-"""bf16 against fp32 with the same weights, per TP mode (``megatron_boost/analysis/precision.py``).
+"""bf16 against fp32 with the same weights, per TP mode (``megatron_boost/measure/precision.py``).
 
     python tools/precision_check.py --config configs/debug.yaml --tp 2
     python tools/precision_check.py --config configs/bench-cpu.yaml --tp 2 model.num_layers=2
@@ -37,7 +37,7 @@ def bf16_error_worker(rank: int, world: int, config_path: str, overrides: Sequen
     tokenizer's padded vocabulary, the rotary base, the seed)."""
     import torch
 
-    from megatron_boost.analysis.precision import losses_and_grad, relative_error, round_to_bf16_
+    from megatron_boost.measure.precision import losses_and_grad, relative_error, round_to_bf16_
     from megatron_boost.config.resolved import resolve_run
     from megatron_boost.config.run import load_run_config
     from megatron_boost.train.step import initialize_parallel

@@ -76,10 +76,10 @@ def check_launch(cfg) -> Optional[int]:
 
 def check_passed_line(cfg, world_size: int, vocab: Optional[int]) -> str:
     """The line a passed check ends with: the layout, the parameter count (the formula of
-    analysis/shape.py, unpadded vocabulary) and the budget."""
+    config/shape.py, unpadded vocabulary) and the budget."""
     import dataclasses
 
-    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.config.shape import ModelShape
     from megatron_boost.config.modes import TPMode
     from megatron_boost.config.validation import budget_line
 

@@ -108,7 +108,7 @@ class Factor:
 @dataclass(frozen=True)
 class Collective:
     """One collective of the group, ``width`` elements per token handed to it (an all-gather
-    and a reduce-scatter are recorded at their full width, as ``analysis/collectives.py``
+    and a reduce-scatter are recorded at their full width, as ``measure/collectives.py``
     records them)."""
 
     width: Dim
@@ -311,7 +311,7 @@ def group_of_projection(name: str) -> Group:
 
 def _group_members(projections: Sequence, group: Group) -> list:
     """The members of ``group`` among ``projections`` (objects with name, d_in, d_out, rank:
-    ``analysis.shape.Projection``), in output order."""
+    ``config.shape.Projection``), in output order."""
     by_name = {p.name: p for p in projections}
     return [by_name[n] for n in GROUP_PROJECTIONS[group]]
 
@@ -375,7 +375,7 @@ def local_factor_shapes(mode, projections: Sequence, tp: int,
     """(name, local [rows, cols]) of every weight factor of one layer on one of ``tp`` ranks:
     per group the grouped A ``A_<group>`` ([Σ r_p, d_in] split as the table says) and each
     projection's B ``B_<p>``; full rank: the group's dense W ``W_<group>``. ``projections``
-    are ``analysis.shape.ModelShape.projections(mode)``; ``divide`` splits a sharded size."""
+    are ``config.shape.ModelShape.projections(mode)``; ``divide`` splits a sharded size."""
     out = []
     for group in GROUPS:
         entry = placement(mode, group)

@@ -10,7 +10,7 @@ compiles its own fused SwiGLU; on the CPU it runs eagerly, one ATen kernel per o
 ``tests/test_fusion.py`` compiles each region with torch's inductor on the CPU and checks that
 it generates one kernel, and that the compiled and the eager region agree.
 
-The op ledger (``analysis/ledger.py``) observes the regions through :func:`observe_regions`: a
+The op ledger (``measure/ledger.py``) observes the regions through :func:`observe_regions`: a
 region's call is one kernel that reads its tensor arguments and writes its results, which is
 what the compiled kernel moves; the eager kernels inside it are counted apart. Without an
 observer a region costs one attribute read.
@@ -31,7 +31,7 @@ REGIONS: dict = {}
 
 
 class RegionObserver:
-    """What the op ledger implements to see the regions (``analysis/ledger.py``)."""
+    """What the op ledger implements to see the regions (``measure/ledger.py``)."""
 
     def enter(self, name: str) -> None:
         """A region starts; its eager operations follow."""

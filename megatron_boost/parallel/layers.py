@@ -49,6 +49,7 @@ from megatron_boost.compat import linear_with_dgrad_allreduce
 from megatron_boost.config.modes import TPMode, check_divisible_by_tp
 from megatron_boost.config.placement import (GROUP_PROJECTIONS, Dim, Group, Norm, Tensor,
                                              placement, tensor_split)
+from megatron_boost.config.shape import Projection
 from megatron_boost.config.transformer import (BoostTransformerConfig, get_bottleneck_activation,
                                                get_bottleneck_activation_grad, is_identity)
 from megatron_boost.parallel.bottleneck import (BottleneckActivation, BottleneckGeometry,
@@ -61,7 +62,6 @@ from megatron_boost.parallel.wgrad import accumulation_target, column_parallel_a
 __all__ = [
     "cola_std",
     "cola_init_",
-    "Projection",
     "WeightFactor",
     "BottleneckGroup",
     "BoostBottleneckGroup",
@@ -90,16 +90,6 @@ def cola_init_(master: torch.Tensor, rank: int, d_in: int, d_out: int) -> torch.
     return master
 
 
-@dataclass(frozen=True)
-class Projection:
-    """One bottleneck projection of a group."""
-
-    name: str
-    """Suffix of its parameters: A_<name>, B_<name>."""
-    rank: int
-    """Bottleneck rank r."""
-    out_size: int
-    """Global output size d_out."""
 
 
 class WeightFactor(str, enum.Enum):
@@ -186,7 +176,7 @@ class BottleneckGroup(MegatronModule):
         """[rows, cols] of projection ``p``'s factor, in the table's dims (A: [r, d_in],
         B: [d_out, r])."""
         placed = factor.placed(self.mode, self.group)
-        sizes = {Dim.D_IN: self.input_size, Dim.D_OUT: p.out_size, Dim.RANK: p.rank}
+        sizes = {Dim.D_IN: self.input_size, Dim.D_OUT: p.d_out, Dim.RANK: p.rank}
         return sizes[placed.rows], sizes[placed.cols]
 
     def _local_shape(self, factor: WeightFactor, p: Projection) -> Tuple[int, int]:
@@ -229,7 +219,7 @@ class BottleneckGroup(MegatronModule):
             return torch.empty(self._local_shape(factor, p), device=device, dtype=dtype)
         master = torch.empty(*self._global_shape(factor, p), dtype=torch.float32)
         if self.config.cola_init:
-            cola_init_(master, p.rank, self.input_size, p.out_size)
+            cola_init_(master, p.rank, self.input_size, p.d_out)
         else:
             factor.init_method(self.config)(master)
         local = master.chunk(self.tp_size, dim=self.split_axis(factor))[self.tp_rank]
@@ -252,7 +242,7 @@ class BottleneckGroup(MegatronModule):
         entry = placement(self.mode, self.group)
         split = {(f.rows, f.cols)[f.split] for f in (entry.a, entry.b)}
         sizes = {Dim.D_IN: [("input size", self.input_size)],
-                 Dim.D_OUT: [(f"output size of '{p.name}'", p.out_size)
+                 Dim.D_OUT: [(f"output size of '{p.name}'", p.d_out)
                              for p in self.projections],
                  Dim.RANK: [(f"rank of '{p.name}'", p.rank) for p in self.projections]}
         check_divisible_by_tp(self.tp_size, [(f"{type(self).__name__}: {what}", size,
@@ -414,7 +404,7 @@ class NaiveBottleneckGroup(BottleneckGroup):
                              self.tp_group)  # fwd: AR(Σ d_out); bwd: identity
         if len(self.projections) == 1:
             return out
-        return self.outputs(out.split([p.out_size for p in self.projections], dim=-1))
+        return self.outputs(out.split([p.d_out for p in self.projections], dim=-1))
 
     def _main_grad(self, factor: WeightFactor, dtype) -> Optional[torch.Tensor]:
         """The factor's main_grad when its weight-gradient GEMM accumulates into it
@@ -454,7 +444,7 @@ class NaiveBottleneckGroup(BottleneckGroup):
 # ---------------------------------------------------------------------------------------------
 
 
-def _qkv_projections(config, output_size) -> List[Projection]:
+def _qkv_projections(config, input_size, output_size) -> List[Projection]:
     """q, k, v of one attention layer: ``linear_qkv`` returns the three as they come out of
     their B factors, [s, b, np/t·hn], [s, b, ng/t·hn], [s, b, ng/t·hn] (query heads in
     megatron's order: a group's np/ng heads together), and ``BottleneckSelfAttention``
@@ -466,27 +456,29 @@ def _qkv_projections(config, output_size) -> List[Projection]:
         raise ValueError(f"linear_qkv output_size ({output_size}) must equal heads·hn + "
                          f"2·groups·hn ({q_out + 2 * kv_out})")
     r = config.attn_rank
-    return [Projection("q", r, q_out), Projection("k", r, kv_out), Projection("v", r, kv_out)]
+    return [Projection("q", input_size, q_out, r), Projection("k", input_size, kv_out, r),
+            Projection("v", input_size, kv_out, r)]
 
 
-def _fc1_projections(config, output_size) -> List[Projection]:
+def _fc1_projections(config, input_size, output_size) -> List[Projection]:
     ffn = output_size // 2
     if output_size != 2 * config.ffn_hidden_size:
         raise ValueError(f"linear_fc1 output_size ({output_size}) must be 2·ffn_hidden_size "
                          f"({2 * config.ffn_hidden_size}): the MLP is gated (gate, up)")
     # MLP chunks the local output in two: [gate_local; up_local], which concat gives.
-    return [Projection("gate", config.mlp_rank, ffn), Projection("up", config.mlp_rank, ffn)]
+    return [Projection("gate", input_size, ffn, config.mlp_rank),
+            Projection("up", input_size, ffn, config.mlp_rank)]
 
 
-def _slot_projections(config, group: Group, output_size) -> List[Projection]:
+def _slot_projections(config, group: Group, input_size, output_size) -> List[Projection]:
     """The projections of a slot's group; a row group (proj: o, fc2: down) has one, at its
     group's rank."""
     if group is Group.QKV:
-        return _qkv_projections(config, output_size)
+        return _qkv_projections(config, input_size, output_size)
     if group is Group.FC1:
-        return _fc1_projections(config, output_size)
+        return _fc1_projections(config, input_size, output_size)
     rank = config.attn_rank if group.rank_kind == "attn" else config.mlp_rank
-    return [Projection(GROUP_PROJECTIONS[group][0], rank, output_size)]
+    return [Projection(GROUP_PROJECTIONS[group][0], input_size, output_size, rank)]
 
 
 class _LinearSlot:
@@ -509,7 +501,8 @@ class _LinearSlot:
                              f"add_bias_linear (and add_qkv_bias) to False")
         group = bottleneck_tp_group if bottleneck_tp_group is not None else tp_group
         super().__init__(config, input_size,
-                         _slot_projections(config, self.group, output_size), group)
+                         _slot_projections(config, self.group, input_size, output_size),
+                         group)
 
     def forward(self, x):
         return super().forward(x), None

@@ -37,7 +37,7 @@ _ASSUMED: Optional[bool] = None
 @contextlib.contextmanager
 def mixed_dtype_gemm_assumed(answer: bool) -> Iterator[None]:
     """While it holds, the mixed-dtype GEMM is taken to exist (or not) without asking the
-    device: the op ledger models a CUDA layer on the CPU (``analysis/kernel_models.py``)."""
+    device: the op ledger models a CUDA layer on the CPU (``measure/kernel_models.py``)."""
     global _ASSUMED
     saved, _ASSUMED = _ASSUMED, answer
     try:

@@ -2,7 +2,7 @@
 (docs/design.md §17, docs/performance.md).
 
 **The schedule** (:func:`layer_time`). The ledger's kernels run in the order the layer issued
-them (``analysis/ledger.py``), on two CUDA streams:
+them (``measure/ledger.py``), on two CUDA streams:
 
 * the compute stream runs every kernel that is not a collective, one after another;
 * ONE communication stream runs the collectives one after another (NCCL's stream of the TP
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megatron_boost.analysis.ledger import CollectiveEntry, LayerLedger
+from megatron_boost.measure.ledger import CollectiveEntry, LayerLedger
 from megatron_boost.perf.hardware import HardwareSpec, hardware
 from megatron_boost.perf.kernels import (allgather_time, allreduce_time, attention_efficiency,
                                          elementwise_time, gemm_time)

@@ -31,60 +31,15 @@ The three TP modes follow docs/design.md §2 (widths of the TP collectives: §5)
            σ, B column-sharded (N = out/t). Everything is divided by t except the r-wide
            bottleneck activations. Forward 7r + 2, backward 7r; 8 collectives.
 
-Model of one kernel (all times in seconds; P = bf16 peak × sustained_clock_ratio):
-
-* GEMM ``(M, N, K)`` (``2·M·N·K`` FLOPs, bf16):
-  ``t = max(2MNK / (P · η(M,N,K)),  2(MK + KN + MN) / (B_hbm · η_mem)) + t_launch``, with the
-  shape efficiency a saturating function of the arithmetic intensity
-  ``I = MNK / (MN + NK + MK)`` (FLOP/byte): ``η = η_max · I / (I + I_half)``. For training
-  GEMMs (M = b·s large) ``I ≈ N·K/(N + K)``: the rank slice r/t of naive TP (N or K = r/t) sits
-  low on the curve, the boost shapes (K = d/t, N = r; N = d/t, K = r) higher, full-rank shapes
-  near η_max. Every forward GEMM has two backward GEMMs (data gradient ``(M, K, N)``, weight
-  gradient ``(K, N, M)``).
-* Attention core (flash attention, causal): forward FLOPs ``4·b·s²·e·heads / 2``, backward
-  2.5× forward; efficiency ``η_attn = η_attn_max · e/(e + e_half) · s/(s + s_half)`` forward
-  and ``attn_bwd_ratio · η_attn`` backward.
-* Element-wise kernels of a decoder layer: the op ledger of that layer as the model builds it
-  (``analysis/ledger.py``, docs/design.md §17: the CUDA op graph, fused regions and fused
-  kernels counted once), its element-wise, fused and copy bytes per direction /
-  (B_hbm · η_mem) plus t_launch per kernel; outside the layers (embedding, head, cross
-  entropy, optimizer) from the shapes.
-* Collectives, alpha-beta with ring algorithms over ``n`` ranks: all-reduce
-  ``2(n-1)·α + 2(n-1)/n · bytes / (B_link · η_link)``; all-gather / reduce-scatter: half;
-  p2p ``α + bytes/(B_link · η_link)``. A group that fits in one node uses NVLink (on a
-  switchless full mesh such as Perlmutter's 4-GPU node, only the links to the group's n-1
-  peers: min(B_nvlink, (n-1)·B_pair)), otherwise InfiniBand (per-GPU NIC bandwidth).
-  A layer's TP collectives are those its op ledger records, and what they keep the layer
-  waiting is the ledger's schedule (``perf/layer_time.py``: the recorded op stream on one
-  compute and one communication stream, a collective hidden only by work issued beside it
-  that does not read its result), at this GPU with these cost functions: boost's backward
-  all-reduces hide behind the dB GEMMs, and ``Layout.overlap_chunks`` > 1 pipelines its
-  forward ones, one after another on the link.
-* Pipeline (1F1B, ``m`` micro-batches, ``p`` stages, ``v`` virtual stages):
-  ``T_pipe = m · max_stage + (Σ_stages − max_stage) / v`` — for equal stages this is
-  ``(m + (p−1)/v) · t_stage``, i.e. a bubble fraction ``(p−1)/(m+p−1)`` for ``v = 1``.
-* Recompute: ``full`` keeps only each layer's input and re-runs the whole layer forward
-  (collectives included) in backward; ``selective`` drops the attention core's saved tensors
-  and re-runs it; ``lowrank`` (bottleneck modes, docs/design.md §7) keeps the layer input and
-  the all-reduced bottleneck activations (+ rms scalars): its saved bytes and its backward's
-  element-wise work are the op ledger of the checkpointed layer, and the B GEMMs and the
-  attention core are re-run (in naive mode the B outputs come out of an all-reduce, so they
-  are kept, and only the attention core's GEMMs are re-run).
-* Memory per GPU (fullest pipeline stage): bf16 weights (2 B/param), fp32 gradients (4), Adam
-  fp32 master + m + v (12, divided by dp with the distributed optimizer), activations saved for
-  backward under the recompute policy (the op ledger's saved bytes per layer) × micro-batches
-  in flight (1F1B: min(m, p − stage)), bf16 logits + fp32 softmax on the last stage, and a
-  reserved amount (CUDA context, NCCL).
-* DP: gradient all-reduce (fp32) of the stage's parameters, overlapped with the backward of the
-  last micro-batch by a fraction ``dp_overlap`` when ``overlap_grad_reduce`` is on.
-* Optimizer: fused Adam is HBM-bound: ``OPTIMIZER_BYTES_PER_PARAM`` bytes per local parameter.
+The cost of each kernel, collective, pipeline phase, recompute policy and memory term is
+described in docs/performance.md ("The cost model").
 
 ``mfu`` counts model FLOPs as the trainer does (``analysis/flops.py``, megatron-LM's
 convention): 6 per projection parameter per token (layers + LM head) plus the causal attention
 core (half the s×s square), backward = 2 × forward; naive's duplicated work is not counted.
 
 The widths (d, f, heads, ranks, parameters per projection) all come from the one
-:class:`~megatron_boost.analysis.shape.ModelShape` (what a layer moves, launches and keeps
+:class:`~megatron_boost.config.shape.ModelShape` (what a layer moves, launches and keeps
 from its op ledger, measured once per shape and layout), the TP collective widths from
 :func:`~megatron_boost.analysis.comm.tp_collectives` (the embedding's, tied or not, from
 :func:`~megatron_boost.analysis.comm.embedding_collectives`), the per-GPU GEMM shapes and
@@ -103,9 +58,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from megatron_boost.analysis.comm import (CROSS_ENTROPY_FP32_VALUES, embedding_collectives,
                                           head_collectives, tp_collectives)
 from megatron_boost.analysis.flops import step_flops
-from megatron_boost.analysis.ledger import (CORE_ATTENTION_SCOPE, LayerLedger, LedgerSpec,
+from megatron_boost.measure.ledger import (CORE_ATTENTION_SCOPE, LayerLedger, LedgerSpec,
                                             layer_ledger)
-from megatron_boost.analysis.shape import MODES, ModelShape, check_mode
+from megatron_boost.config.shape import MODES, ModelShape, check_mode
 from megatron_boost.config.modes import TPMode, check_tp_split, resolve_sequence_parallel
 from megatron_boost.config.placement import (Dim, Group, Tensor, local_factor_shapes,
                                              local_numel, split_dims)
@@ -200,7 +155,7 @@ class LayerWork:
         return [width for direction, _, width in self.collectives if direction == "bwd"]
 
     def ledger(self, recompute: Optional[str] = None) -> "LayerLedger":
-        """The op ledger of the layer (``analysis/ledger.py``); ``recompute='lowrank'``: with
+        """The op ledger of the layer (``measure/ledger.py``); ``recompute='lowrank'``: with
         low-rank activation checkpointing (its backward holds the recompute)."""
         spec = self.ledger_spec
         if recompute == "lowrank":
@@ -383,7 +338,7 @@ def _exposed_tp_seconds(st: _Setting, ledger) -> Tuple[float, float]:
 def _memory_bound_seconds(ledger, phase: str, hw: HardwareSpec) -> float:
     """The op ledger's element-wise, fused and copy kernels of ``phase``: their bytes at the
     achieved HBM bandwidth, and a launch gap each."""
-    from megatron_boost.analysis.ledger import TRAFFIC_KINDS
+    from megatron_boost.measure.ledger import TRAFFIC_KINDS
 
     kernels = sum(ledger.count(phase, kind) for kind in TRAFFIC_KINDS)
     return elementwise_time(ledger.traffic(phase), hw, kernels=kernels)

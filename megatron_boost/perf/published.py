@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.shape import MODES, ModelShape
 from megatron_boost.config.modes import TPMode
 from megatron_boost.perf.hardware import HardwareSpec, hardware
 from megatron_boost.perf.model import Layout, predict
@@ -59,7 +59,7 @@ PAPER_ROWS: Dict[str, Tuple[str, int, int, Optional[str]]] = {
 #: The cells the one calibrated parameter (``hardware.SUSTAINED_A100``) is fitted on: the
 #: baselines, whose layers do the same work in the authors' implementation and in ours (full
 #: rank: megatron's; naive: the bottleneck model with vanilla TP). boost is predicted, not
-#: fitted: this model prices our boost layer from its op ledger (``analysis/ledger.py``), which
+#: fitted: this model prices our boost layer from its op ledger (``measure/ledger.py``), which
 #: fuses the norm and σ and moves no layout copies, unlike the authors' layer; where it
 #: predicts less time than they measured, that is the claim the GPU check has to confirm.
 FIT_MODES = (TPMode.FULL, TPMode.NAIVE)

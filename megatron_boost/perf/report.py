@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.shape import MODES, ModelShape
 from megatron_boost.perf.hardware import HardwareSpec
 from megatron_boost.perf.model import Prediction
 from megatron_boost.perf.published import FIT_MODES

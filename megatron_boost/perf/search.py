@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.shape import MODES, ModelShape
 from megatron_boost.config.modes import TPMode
 from megatron_boost.perf.hardware import HardwareSpec
 from megatron_boost.perf.model import RECOMPUTE, Layout, Prediction, predict

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from megatron_boost.analysis.shape import MODES, ModelShape
+from megatron_boost.config.shape import MODES, ModelShape
 from megatron_boost.config.modes import TPMode
 from megatron_boost.perf.hardware import hardware
 from megatron_boost.perf.model import Layout, predict

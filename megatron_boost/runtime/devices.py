@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-__all__ = ["PEAK_DENSE_BF16_TFLOPS", "normalise_device_name", "peak_dense_bf16_tflops"]
+__all__ = ["PEAK_DENSE_BF16_TFLOPS", "normalise_device_name", "peak_dense_bf16_tflops",
+           "peak_tflops"]
 
 PEAK_DENSE_BF16_TFLOPS: Dict[str, float] = {
     # Ampere
@@ -47,3 +48,16 @@ _BY_NORMALISED = {normalise_device_name(k): v for k, v in PEAK_DENSE_BF16_TFLOPS
 def peak_dense_bf16_tflops(device_name: str) -> Optional[float]:
     """The table's figure for this exact device name, or None for a device not in it."""
     return _BY_NORMALISED.get(normalise_device_name(device_name))
+
+
+def peak_tflops(configured: Optional[float] = None, device_kind: str = "cpu") -> Optional[float]:
+    """Peak TFLOP/s of one device: ``configured`` (logging.peak_tflops) if given, else the
+    dense bf16 figure of this exact CUDA device (the table above), else None (CPU, a
+    device not in the table: MFU is then reported as n/a)."""
+    if configured:
+        return float(configured)
+    if device_kind != "cuda":
+        return None
+    import torch  # the device name; the table itself is read without torch
+
+    return peak_dense_bf16_tflops(torch.cuda.get_device_name())

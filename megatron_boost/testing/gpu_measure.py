@@ -46,7 +46,8 @@ def stage_throughput(plan: Plan, work: Path) -> None:
 def _throughput_case(plan: Plan, mode: str) -> None:
     import torch
 
-    from megatron_boost.analysis.flops import flops_per_token, peak_tflops
+    from megatron_boost.analysis.flops import flops_per_token
+    from megatron_boost.runtime.devices import peak_tflops
     from megatron_boost.config.validation import train_iterations
     from megatron_boost.config.resolved import padded_vocab_size
 
@@ -132,8 +133,8 @@ def _is_oom(err: BaseException) -> bool:
 def _attention_case(plan: Plan, case: str, backend: str) -> None:
     import torch
 
-    from megatron_boost.analysis.comm import build_decoder_layer
-    from megatron_boost.analysis.memory import SavedActivations
+    from megatron_boost.measure.layer_comm import build_decoder_layer
+    from megatron_boost.measure.memory import SavedActivations
 
     _, config = _layer_config(f"configs/{plan.attention_model}.yaml",
                               [f"model.seq_length={plan.attention_seq}"], "boost", backend,
@@ -166,8 +167,8 @@ def _attention_case(plan: Plan, case: str, backend: str) -> None:
 
 
 def stage_layers(plan: Plan, work: Path) -> None:
-    from megatron_boost.analysis.flops import peak_tflops
-    from megatron_boost.analysis.shape import ModelShape
+    from megatron_boost.runtime.devices import peak_tflops
+    from megatron_boost.config.shape import ModelShape
 
     setup_stage(plan)
     peak = peak_tflops(None, plan.device)
@@ -179,11 +180,11 @@ def stage_layers(plan: Plan, work: Path) -> None:
 
 def fuser_check(stage: int, on_cuda: bool, jit_fuser=None, env=None, ledger=None) -> bool:
     """The profiler stage's row on megatron's jit_fuser: FAIL on a CUDA run where it does not
-    compile (``analysis/fusion_check.py``: every fused region would run as its eager
+    compile (``measure/fusion_check.py``: every fused region would run as its eager
     kernels, which the op ledger's counts leave out), with the layer's cost; n/a on the CPU,
     where the regions run eagerly by design. ``jit_fuser`` and ``env``: megatron's and this
     process's by default (a test passes its own)."""
-    from megatron_boost.analysis.fusion_check import fuser_notice, jit_fuser_problem
+    from megatron_boost.measure.fusion_check import fuser_notice, jit_fuser_problem
 
     if not on_cuda:
         emit(Row(stage, "jit_fuser", "n/a", "no GPU: the fused regions compile on CUDA only"))
@@ -212,7 +213,7 @@ def _layer_case(plan: Plan, case: str, shape, tp: int, mode: str,
     import torch
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_boost.analysis.comm import build_decoder_layer
+    from megatron_boost.measure.layer_comm import build_decoder_layer
 
     local = rank_local_shape(shape, mode, tp)
     seq, mbs = plan.layer_tokens
@@ -263,7 +264,7 @@ def _device_kernels(step, device: str) -> Optional[int]:
 
 
 def _ledger_spec(local, mode: str, plan: Plan, bf16: bool):
-    from megatron_boost.analysis.ledger import LedgerSpec
+    from megatron_boost.measure.ledger import LedgerSpec
 
     seq, mbs = plan.layer_tokens
     return LedgerSpec(shape=local, mode=mode, tp=1, micro_batch=mbs, seq_length=seq,
@@ -273,7 +274,7 @@ def _ledger_spec(local, mode: str, plan: Plan, bf16: bool):
 def _measure_ledgers(plan: Plan, shape) -> None:
     """Every case's op ledger up front, in one child process (this one has a process
     group); the cases then read them from the cache."""
-    from megatron_boost.analysis.ledger import measure_ledgers
+    from megatron_boost.measure.ledger import measure_ledgers
 
     bf16 = True  # the precision _layer_config gives stage 7
     measure_ledgers([_ledger_spec(rank_local_shape(shape, mode, tp), mode, plan, bf16)
@@ -285,7 +286,7 @@ def _ledger_line(local, mode: str, plan: Plan, config, launched: Optional[int]) 
     """The op ledger of the same layer (docs/design.md §17) beside what the GPU measured: its
     kernel count against the profiler's, and its element-wise traffic (the time it takes at
     the device's measured bandwidth is the first GPU run's to read off the layer time)."""
-    from megatron_boost.analysis.ledger import layer_ledger
+    from megatron_boost.measure.ledger import layer_ledger
 
     ledger = layer_ledger(_ledger_spec(local, mode, plan, config.bf16))
     measured = "n/a (no GPU)" if launched is None else str(launched)

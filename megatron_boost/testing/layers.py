@@ -20,7 +20,7 @@ def global_shapes(group) -> Dict[str, tuple]:
     shapes = {}
     for p in group.projections:
         shapes[f"A_{p.name}"] = (p.rank, group.input_size)
-        shapes[f"B_{p.name}"] = (p.out_size, p.rank)
+        shapes[f"B_{p.name}"] = (p.d_out, p.rank)
     if group.fuse_norm:
         shapes["layer_norm_weight"] = (group.input_size,)
     return shapes

@@ -270,7 +270,7 @@ def model_collectives(rank: int, world: int, spec: LayoutSpec):
     a list of (direction, kind, width, numel) in issue order."""
     from megatron.core import parallel_state
 
-    from megatron_boost.analysis.collectives import record_collectives
+    from megatron_boost.measure.collectives import record_collectives
     from megatron_boost.config.resolved import resolve_run
     from megatron_boost.train.build import build_run
     from megatron_boost.train.step import initialize_parallel

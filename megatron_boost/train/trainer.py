@@ -47,13 +47,14 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_boost.analysis.comm import StepCommShape, step_comm_bytes
-from megatron_boost.analysis.flops import flops_per_token, peak_tflops
-from megatron_boost.analysis.shape import ModelShape
+from megatron_boost.analysis.flops import flops_per_token
+from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.resolved import resolve_run, resolved_config, resolved_config_yaml
 from megatron_boost.config.validation import train_iterations
 from megatron_boost.data.datasets import build_gpt_datasets, build_tokenizer, get_batch
 from megatron_boost.data.validation import validate_data_files
 from megatron_boost.runtime.backends import format_fusions
+from megatron_boost.runtime.devices import peak_tflops
 from megatron_boost.runtime.lifetime import forked_children_die_with_parent
 from megatron_boost.train import step
 from megatron_boost.train.build import build_run
@@ -233,7 +234,7 @@ class Trainer:
         self.forward_step = built.forward_step
         self._print_banner()
         if self.device == "cuda":  # the op ledger's kernels hold only where the fuser compiles
-            from megatron_boost.analysis.fusion_check import jit_fuser_problem, run_fuser_notice
+            from megatron_boost.measure.fusion_check import jit_fuser_problem, run_fuser_notice
 
             notice = run_fuser_notice(self.cfg, jit_fuser_problem())
             if notice:
@@ -418,7 +419,7 @@ class Trainer:
         process-wide wrappers (docs/design.md §5) never run during an ordinary step."""
         if not measure:
             return contextlib.nullcontext()
-        from megatron_boost.analysis.collectives import record_collectives
+        from megatron_boost.measure.collectives import record_collectives
 
         return record_collectives(ps.get_tensor_model_parallel_group())
 

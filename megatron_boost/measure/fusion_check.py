@@ -15,6 +15,13 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional, Tuple
 
+import torch
+from megatron.core import jit
+
+from megatron_boost.config.modes import TPMode
+from megatron_boost.config.shape import ModelShape
+from megatron_boost.measure.ledger import LedgerSpec, layer_ledger
+
 __all__ = ["COMPILE_OFF_VARIABLES", "jit_fuser_problem", "fusion_cost", "fuser_notice"]
 
 #: Environment variables that turn torch.compile into eager execution.
@@ -29,11 +36,7 @@ def jit_fuser_problem(jit_fuser: Any = None, env: Optional[Mapping[str, str]] = 
                       dynamo_disabled: Optional[bool] = None) -> Optional[str]:
     """Why megatron's ``jit_fuser`` will not compile (None: it will). Defaults: megatron's own
     ``jit_fuser``, this process's environment and torch's dynamo switch."""
-    import torch
-
     if jit_fuser is None:
-        from megatron.core import jit
-
         jit_fuser = jit.jit_fuser
     env = os.environ if env is None else env
     if jit_fuser is not torch.compile:
@@ -79,10 +82,6 @@ def run_fuser_notice(cfg, problem: Optional[str]) -> Optional[str]:
     run's micro-batch and sequence) is measured only when there is a problem to price."""
     if problem is None:
         return None
-    from megatron_boost.analysis.ledger import LedgerSpec, layer_ledger
-    from megatron_boost.analysis.shape import ModelShape
-    from megatron_boost.config.modes import TPMode
-
     par, t = cfg.parallel, cfg.training
     spec = LedgerSpec(shape=ModelShape.from_config(cfg, "run"), mode=par.mode, tp=par.tp,
                       micro_batch=t.micro_batch_size, seq_length=cfg.model.seq_length,

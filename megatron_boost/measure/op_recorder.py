@@ -1,4 +1,4 @@
-"""The op ledger's recorder (``analysis/ledger.py``, docs/design.md §17): a
+"""The op ledger's recorder (``measure/ledger.py``, docs/design.md §17): a
 ``TorchDispatchMode`` that turns every ATen operator autograd issues into one :class:`Kernel`
 (its class, bytes, GEMM FLOPs, module scope), the fused regions into one kernel each, and notes
 which collectives' results each kernel reads (its ``deps``: what it must wait for on a GPU)."""
@@ -34,7 +34,7 @@ class Kernel:
     """Bytes the CPU's eager kernels of a fused region move (0 for a single kernel)."""
     accumulates: bool = False
     """It adds a weight gradient into a parameter's ``main_grad`` (DDP's hook, or a layer's own
-    in-place accumulation: ``analysis/grad_accumulation.py``)."""
+    in-place accumulation: ``measure/grad_accumulation.py``)."""
     deps: Tuple[int, ...] = ()
     """The collectives (their indices in the ledger's kernels) whose result it reads: on a GPU
     it cannot start before they end, waited for or not."""
@@ -201,12 +201,12 @@ def _storage(t) -> int:
 
 
 def attention_flops(name: str, tensors) -> float:
-    """FLOPs of an attention stand-in kernel (``analysis/kernel_models.py``): the causal core
+    """FLOPs of an attention stand-in kernel (``measure/kernel_models.py``): the causal core
     (the GPT model's attention is causal; a flash kernel skips the masked half) on q's
     [b, heads, s, e], times the kernel's share of the work (backward: 2.5x forward, the five
     matmuls of FlashAttention-2's backward against the forward's two)."""
     from megatron_boost.analysis.flops import attention_core_flops
-    from megatron_boost.analysis.kernel_models import ATTENTION_FLOP_SHARE
+    from megatron_boost.measure.kernel_models import ATTENTION_FLOP_SHARE
 
     share = ATTENTION_FLOP_SHARE.get(name, 0.0)
     if not share or not tensors:
@@ -215,71 +215,90 @@ def attention_flops(name: str, tensors) -> float:
     return share * b * s * attention_core_flops(s, heads, e, causal=True)
 
 
+class _Recording:
+    """What the recorder does, apart from the torch classes it derives from (defined on first
+    use by :func:`recorder_class`, torch being imported lazily): every operator with a kernel
+    becomes a :class:`Kernel`, a fused region's operators one kernel."""
+
+    def __init__(self, scopes: Scopes):
+        super().__init__()
+        self.scopes = scopes
+        self.kernels: List[Kernel] = []
+        self._regions: List[List[Kernel]] = []
+        # storage of a collective's result -> (its kernel index, the tensor: held, so
+        # that no later tensor reuses the storage's address)
+        self._comm_results: Dict[int, Tuple[int, Any]] = {}
+
+    def record(self, func, args, kwargs):
+        """Run one ATen operator and record its kernel (if it launches one)."""
+        out = func(*args, **kwargs)
+        kind = _kind(func, args, out)
+        if kind is not None:
+            reads, writes = _traffic(func, args, kwargs, out)
+            deps = () if kind == "collective" else self._deps(reads)
+            self._add(_op_kernel(func, kind, args, out, reads, writes, self.scopes.current,
+                                 deps))
+            if kind == "collective" and not self._regions:
+                for t in writes:
+                    self._comm_results[_storage(t)] = (len(self.kernels) - 1, t)
+        return out
+
+    def _deps(self, reads) -> Tuple[int, ...]:
+        """The collectives whose results ``reads`` include."""
+        found = {self._comm_results[key][0] for key in map(_storage, reads)
+                 if key in self._comm_results}
+        return tuple(sorted(found))
+
+    def _add(self, kernel: Kernel) -> None:
+        (self._regions[-1] if self._regions else self.kernels).append(kernel)
+
+    # RegionObserver
+    def enter(self, name: str) -> None:
+        self._regions.append([])
+
+    def exit(self, name: str, args: tuple, result: Any, kind: str = "fused") -> None:
+        inner = self._regions.pop()
+        reads = _distinct(_tensors(args))
+        self._add(_region_kernel(name, kind, reads, _distinct(_tensors(result)), inner,
+                                 self.scopes.current, self._deps(reads)))
+
+
+def _dtype_name(tensors) -> str:
+    return str(tensors[0].dtype).replace("torch.", "") if tensors else ""
+
+
+def _op_kernel(func, kind, args, out, reads, writes, scope: str, deps) -> Kernel:
+    """The kernel of one ATen operator that reads ``reads`` and writes ``writes``."""
+    return Kernel(phase=_phase(), kind=kind, name=str(func), scope=scope,
+                  read=sum(_nbytes(t) for t in reads), write=sum(_nbytes(t) for t in writes),
+                  flops=_gemm_flops(func, args) if kind == "gemm" else 0.0,
+                  shapes=tuple(tuple(t.shape) for t in _tensors(args)[:3]),
+                  dtype=_dtype_name(_tensors(out) or writes),
+                  accumulates=any(_is_accumulator(t) for t in writes), deps=deps)
+
+
+def _region_kernel(name: str, kind: str, reads, outs, inner: List[Kernel], scope: str,
+                   deps) -> Kernel:
+    """The one kernel of a fused region that read ``reads`` and wrote ``outs``, holding the
+    eager kernels ``inner`` the CPU ran for it."""
+    return Kernel(phase=_phase(), kind=kind, name=name, scope=scope,
+                  read=sum(_nbytes(t) for t in reads), write=sum(_nbytes(t) for t in outs),
+                  eager_kernels=len(inner), eager_bytes=sum(k.bytes for k in inner),
+                  flops=attention_flops(name, reads) if kind == "attention" else 0.0,
+                  shapes=tuple(tuple(t.shape) for t in reads[:3]), dtype=_dtype_name(outs),
+                  deps=deps)
+
+
 def recorder_class():
-    """The dispatch-mode recorder (defined on first use: torch is imported lazily)."""
+    """The dispatch-mode recorder (defined on first use: torch is imported lazily, so that the
+    ledger's records and the perf model import without it)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_boost.parallel.fusion import RegionObserver
 
-    class Recorder(TorchDispatchMode, RegionObserver):
-        def __init__(self, scopes: Scopes):
-            super().__init__()
-            self.scopes = scopes
-            self.kernels: List[Kernel] = []
-            self._regions: List[List[Kernel]] = []
-            # storage of a collective's result -> (its kernel index, the tensor: held, so
-            # that no later tensor reuses the storage's address)
-            self._comm_results: Dict[int, Tuple[int, Any]] = {}
-
+    class Recorder(_Recording, TorchDispatchMode, RegionObserver):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            kind = _kind(func, args, out)
-            if kind is not None:
-                reads, writes = _traffic(func, args, kwargs, out)
-                self._add(self._kernel(func, kind, args, out, reads, writes))
-                if kind == "collective" and not self._regions:
-                    for t in writes:
-                        self._comm_results[_storage(t)] = (len(self.kernels) - 1, t)
-            return out
-
-        def _deps(self, reads) -> Tuple[int, ...]:
-            """The collectives whose results ``reads`` include."""
-            found = {self._comm_results[key][0] for key in map(_storage, reads)
-                     if key in self._comm_results}
-            return tuple(sorted(found))
-
-        def _kernel(self, func, kind, args, out, reads, writes) -> Kernel:
-            outs = _tensors(out) or writes
-            return Kernel(phase=_phase(), kind=kind, name=str(func), scope=self.scopes.current,
-                          read=sum(_nbytes(t) for t in reads),
-                          write=sum(_nbytes(t) for t in writes),
-                          flops=_gemm_flops(func, args) if kind == "gemm" else 0.0,
-                          shapes=tuple(tuple(t.shape) for t in _tensors(args)[:3]),
-                          dtype=str(outs[0].dtype).replace("torch.", "") if outs else "",
-                          accumulates=any(_is_accumulator(t) for t in writes),
-                          deps=() if kind == "collective" else self._deps(reads))
-
-        def _add(self, kernel: Kernel) -> None:
-            (self._regions[-1] if self._regions else self.kernels).append(kernel)
-
-        # RegionObserver
-        def enter(self, name: str) -> None:
-            self._regions.append([])
-
-        def exit(self, name: str, args: tuple, result: Any, kind: str = "fused") -> None:
-            inner = self._regions.pop()
-            outs = _distinct(_tensors(result))
-            reads = _distinct(_tensors(args))
-            self._add(Kernel(
-                phase=_phase(), kind=kind, name=name, scope=self.scopes.current,
-                read=sum(_nbytes(t) for t in reads),
-                write=sum(_nbytes(t) for t in outs), eager_kernels=len(inner),
-                eager_bytes=sum(k.bytes for k in inner),
-                flops=attention_flops(name, reads) if kind == "attention" else 0.0,
-                shapes=tuple(tuple(t.shape) for t in reads[:3]),
-                dtype=str(outs[0].dtype).replace("torch.", "") if outs else "",
-                deps=self._deps(reads)))
+            return self.record(func, args, kwargs or {})
 
     return Recorder
 

@@ -2,7 +2,7 @@
 one TP rank, at a run's real per-rank shapes (docs/design.md §17).
 
 **How it is measured.** One decoder layer is built exactly as the model builds it
-(:func:`~megatron_boost.analysis.comm.build_decoder_layer`: the mode's layer spec, megatron's
+(:func:`~megatron_boost.measure.layer_comm.build_decoder_layer`: the mode's layer spec, megatron's
 ``TransformerLayer``), with its parameters and inputs as torch ``FakeTensor`` s: every tensor
 has its real shape, dtype, strides and device, and no storage. The process plays TP rank 0 of
 a group of ``t`` ranks of torch's fake process group (collectives are issued, with their real
@@ -31,21 +31,21 @@ argument, ``copy_`` and fills do not read it).
 where the GPU path fuses: the layers' own regions (``parallel/fusion.py``), which megatron's
 ``jit_fuser`` compiles into one kernel each on CUDA, and four kernels of megatron, Transformer
 Engine and flash attention that the CPU cannot run, which the ledger stands in for while it
-records (``analysis/kernel_models.py``): TE's fused RoPE (``apply_rope_fusion``), a fused
+records (``measure/kernel_models.py``): TE's fused RoPE (``apply_rope_fusion``), a fused
 RMSNorm (TE's ``TENorm``), megatron's fused SwiGLU (``bias_activation_fusion``, full rank) and
 a flash attention kernel. Each is one entry forward and one backward, reading its inputs and
 writing its results; the eager kernels it replaces are counted too (``eager_kernels``), so the
 CPU's own count is also reported.
 
 **DDP's gradient accumulation.** Each parameter gets the fp32 ``main_grad`` megatron's DDP
-gives it and DDP's hook (``analysis/grad_accumulation.py``): its ``main_grad.add_`` is one
+gives it and DDP's hook (``measure/grad_accumulation.py``): its ``main_grad.add_`` is one
 backward entry (scope ``ddp.main_grad``) unless the layer accumulated into ``main_grad`` in its
 own GEMM and set ``grad_added_to_main_grad`` (megatron's linears with
 ``gradient_accumulation_fusion``, apex's wgrad GEMM stood in for), so the count follows the
 layer's code.
 
 **Saved activations.** The bytes of the storages autograd keeps for backward
-(``analysis/memory.py``, parameters excluded), with the module that saved each, and the fp32
+(``measure/memory.py``, parameters excluded), with the module that saved each, and the fp32
 ones wider than one value per token listed apart.
 
 **Scopes.** Every entry carries the module of the layer that issued it (``self_attention.
@@ -61,10 +61,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from megatron_boost.analysis.kernel_models import CUDA_KERNEL_MODELS, cuda_kernel_models
-from megatron_boost.analysis.op_recorder import Kernel, Scopes, recorder_class
-from megatron_boost.analysis.shape import ModelShape, check_mode
 from megatron_boost.config.placement import Tensor, tensor_local_shape
+from megatron_boost.config.run import ModelConfig, RunConfig
+from megatron_boost.config.shape import ModelShape, check_mode
+from megatron_boost.measure.kernel_models import CUDA_KERNEL_MODELS, cuda_kernel_models
+from megatron_boost.measure.op_recorder import Kernel, Scopes, recorder_class
+from megatron_boost.runtime.backends import FusedKernels, resolve_fusions
+
+# The ledger's records are read without torch (the perf model and its CLI import them): what
+# needs torch or megatron-core (building and running the layer) is imported where it runs.
 
 __all__ = ["KINDS", "TRAFFIC_KINDS", "Kernel", "CollectiveEntry", "LayerLedger", "LedgerSpec",
            "CUDA_KERNEL_MODELS", "in_attention", "layer_ledger", "measure_ledgers",
@@ -154,8 +159,8 @@ class LayerLedger:
 
     def ddp_accumulation(self) -> List[Kernel]:
         """The kernels of DDP's hook adding gradients into ``main_grad``
-        (``analysis/grad_accumulation.py``)."""
-        from megatron_boost.analysis.grad_accumulation import DDP_SCOPE
+        (``measure/grad_accumulation.py``)."""
+        from megatron_boost.measure.grad_accumulation import DDP_SCOPE
 
         return [k for k in self.kernels if k.scope == DDP_SCOPE]
 
@@ -231,8 +236,6 @@ class LedgerSpec:
 
 def _run_config(spec: LedgerSpec):
     """The run configuration of ``spec``: its shape, mode, layout and precision."""
-    from megatron_boost.config.run import ModelConfig, RunConfig
-
     shape = spec.shape
     cfg = RunConfig()
     cfg.model = ModelConfig(
@@ -259,10 +262,8 @@ def _cuda_fusions(spec: LedgerSpec):
     """The fusion settings a CUDA run with Transformer Engine resolves for ``spec`` (the ledger
     counts the CUDA op graph); RoPE's and the norms' fused kernels and apex's wgrad GEMM are the
     stand-ins."""
-    from megatron_boost.runtime.backends import FusedKernels, resolve_fusions
-
     # apex's wgrad kernel too (megatron's linears accumulate into main_grad in their GEMM;
-    # the kernel's stand-in: analysis/kernel_models.py)
+    # the kernel's stand-in: measure/kernel_models.py)
     fusions = resolve_fusions("cuda", "te", FusedKernels(te=True, wgrad_accumulation=True),
                               mode=spec.mode, bias_activation_fusion=spec.bias_activation_fusion)
     # the stand-in replaces TE's RoPE kernel, which the CPU cannot call
@@ -307,7 +308,7 @@ def _build(spec: LedgerSpec):
     import torch
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_boost.analysis.comm import build_decoder_layer
+    from megatron_boost.measure.layer_comm import build_decoder_layer
     from megatron_boost.config.resolved import resolve_run, to_transformer_config
 
     cfg = _run_config(spec)
@@ -367,9 +368,9 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from megatron_boost.analysis.collectives import record_collectives
-    from megatron_boost.analysis.grad_accumulation import ddp_grad_accumulation
-    from megatron_boost.analysis.memory import SavedActivations
+    from megatron_boost.measure.collectives import record_collectives
+    from megatron_boost.measure.grad_accumulation import ddp_grad_accumulation
+    from megatron_boost.measure.memory import SavedActivations
     from megatron_boost.parallel.fusion import observe_regions
 
     with _fake_tp_group(spec.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True), \

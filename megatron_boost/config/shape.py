@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional
 
 from megatron_boost.config.modes import TPMode, default_rank
+from megatron_boost.config.run import ModelConfig, RunConfig
 
 __all__ = ["ModelShape", "Projection", "MODES", "check_mode", "config_mode"]
 
@@ -34,12 +35,18 @@ def check_mode(mode: Any) -> TPMode:
 @dataclass(frozen=True)
 class Projection:
     """One projection of a layer: d_in -> d_out, dense (rank None) or a CoLA bottleneck
-    y = B·σ(A·x) with A: d_in -> rank and B: rank -> d_out (docs/design.md §1)."""
+    y = B·σ(A·x) with A: d_in -> rank and B: rank -> d_out (docs/design.md §1). The formulas
+    read it from :meth:`ModelShape.projections`; the bottleneck layers (``parallel/layers.py``)
+    build their groups from it."""
 
     name: str
+    """Its name, the suffix of its factors' parameters: A_<name>, B_<name>."""
     d_in: int
+    """Global input size."""
     d_out: int
+    """Global output size."""
     rank: Optional[int]
+    """Bottleneck rank r; None for a dense projection (the full-rank twin)."""
 
     @property
     def params(self) -> int:
@@ -68,8 +75,6 @@ def config_mode(cfg: Any) -> TPMode:
     """The TP mode a config names: a RunConfig's ``parallel.mode``, a BoostTransformerConfig's
     ``tp_mode``; boost for a config that names none (a ModelConfig, a ModelShape, megatron's
     own TransformerConfig)."""
-    from megatron_boost.config.run import ModelConfig, RunConfig
-
     if isinstance(cfg, RunConfig):
         return TPMode.parse(cfg.parallel.mode)
     if isinstance(cfg, (ModelConfig, ModelShape)):
@@ -103,8 +108,6 @@ class ModelShape:
         """From a RunConfig, a ModelConfig or a (Boost)TransformerConfig, told apart by type.
         A TransformerConfig has no vocabulary or sequence length: those stay None (pass them
         to the formulas); megatron's own has no ranks (the default rank applies)."""
-        from megatron_boost.config.run import ModelConfig, RunConfig
-
         m = cfg.model if isinstance(cfg, RunConfig) else cfg
         if isinstance(m, ModelConfig):
             ra, rm = m.resolved_ranks()  # explicit ranks or rank_ratio · d

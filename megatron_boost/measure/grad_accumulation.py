@@ -1,4 +1,4 @@
-"""DDP's gradient accumulation in the op ledger (``analysis/ledger.py``, docs/design.md §17).
+"""DDP's gradient accumulation in the op ledger (``measure/ledger.py``, docs/design.md §17).
 
 megatron's ``DistributedDataParallel`` gives every parameter an fp32 ``main_grad`` and, after
 autograd accumulates the parameter's gradient, runs a hook that adds it there
@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
+
 __all__ = ["DDP_SCOPE", "ddp_grad_accumulation"]
 
 #: The scope of the ledger's entries that DDP's hook issues.
@@ -28,12 +30,10 @@ def ddp_grad_accumulation(layer, scopes) -> Iterator[None]:
     ``_make_backward_post_hook``: add the gradient into ``main_grad`` unless
     ``grad_added_to_main_grad``, then drop it), its kernel scoped :data:`DDP_SCOPE`. ``layer``:
     any module; ``scopes``: what has a ``backward_scope`` (the ledger's ``Scopes``)."""
-    import torch
-
     def added_by_layer(param) -> bool:
         # A layer that saved its weight for backward sets the flag on the tensor that
         # ctx.saved_tensors hands it, which under the ledger's saved-tensor hooks
-        # (analysis/memory.py) is another Python object than the parameter; its in-place
+        # (measure/memory.py) is another Python object than the parameter; its in-place
         # accumulation into the shared main_grad shows on main_grad's version counter.
         return param.grad_added_to_main_grad or param.main_grad._version != versions[param]
 

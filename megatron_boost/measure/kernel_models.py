@@ -1,5 +1,5 @@
 """Stand-ins for the fused kernels of a CUDA run that the CPU cannot run, while the op ledger
-records (``analysis/ledger.py``, docs/design.md §17): each the kernels the CUDA library
+records (``measure/ledger.py``, docs/design.md §17): each the kernels the CUDA library
 launches forward and backward, reading its inputs and writing its results, with the eager
 computation inside (the CPU's own kernels, counted apart), and keeping for backward what the
 library keeps."""
@@ -35,6 +35,54 @@ CUDA_KERNEL_MODELS = {
 ATTENTION_FLOP_SHARE = {"attention": 1.0, "attention_backward": 2.5}
 
 
+def _keep_for_backward(ctx, args, linear: bool) -> None:
+    """Save what a modeled kernel's backward needs: the tensor arguments (the input of a map
+    linear in it only as its shape: its vector-Jacobian product does not read it), the other
+    arguments as they are, and which arguments want a gradient."""
+    import torch
+
+    ctx.n_args = len(args)
+    ctx.grad_of = [i for i, a in enumerate(args)
+                   if isinstance(a, torch.Tensor) and a.requires_grad]
+    kept = [a if isinstance(a, torch.Tensor) else None for a in args]
+    if linear:  # the vjp of a linear map needs only the input's shape, not the input
+        ctx.linear_input = (args[0].shape, args[0].dtype, args[0].device)
+        kept[0] = None
+    ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
+    ctx.save_for_backward(*[k for k in kept if k is not None])
+    ctx.tensor_pos = [i for i, k in enumerate(kept) if k is not None]
+
+
+def _kept_args(ctx, linear: bool) -> list:
+    """The arguments :func:`_keep_for_backward` saved, in order (a linear map's input as a
+    placeholder of its shape, made in backward, not kept)."""
+    import torch
+
+    saved = dict(zip(ctx.tensor_pos, ctx.saved_tensors))
+    args = [saved.get(i, ctx.others[i]) for i in range(ctx.n_args)]
+    if linear:
+        shape, dtype, device = ctx.linear_input
+        args[0] = torch.empty(shape, dtype=dtype, device=device)
+    return args
+
+
+def _vjp(fn: Callable, args: list, grad_of: list) -> Callable:
+    """The backward kernel of ``fn`` at ``args``: (the differentiable arguments, the output's
+    gradient) -> their gradients, each written into a fresh, dense tensor."""
+    import torch
+
+    def vjp(*tensors_and_grad):
+        *inputs, g = tensors_and_grad
+        with torch.enable_grad():
+            live = list(args)
+            for i, t in zip(grad_of, inputs):
+                live[i] = t.detach().requires_grad_(True)
+            grads = torch.autograd.grad(fn(*live), [live[i] for i in grad_of], g)
+        return tuple(t.contiguous() for t in grads)
+
+    return vjp
+
+
 def _modeled_kernel(name: str, fn: Callable, linear: bool = False):
     """``fn`` as one fused kernel forward and one backward, as the CUDA kernel it stands for:
     forward, a region reading its tensor arguments and writing its result; backward, a region
@@ -46,45 +94,18 @@ def _modeled_kernel(name: str, fn: Callable, linear: bool = False):
 
     from megatron_boost.parallel.fusion import observed_call
 
-    def differentiable(args):
-        return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-
     class _Kernel(torch.autograd.Function):
         @staticmethod
         def forward(ctx, n_args, *flat):
             args = flat[:n_args]
-            ctx.n_args = n_args
-            ctx.grad_of = differentiable(args)
-            kept = [a if isinstance(a, torch.Tensor) else None for a in args]
-            if linear:  # the vjp of a linear map needs only the input's shape, not the input
-                ctx.linear_input = (args[0].shape, args[0].dtype, args[0].device)
-                kept[0] = None
-            ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
-            ctx.save_for_backward(*[k for k in kept if k is not None])
-            ctx.tensor_pos = [i for i, k in enumerate(kept) if k is not None]
+            _keep_for_backward(ctx, args, linear)
             with torch.no_grad():
                 return observed_call(name, fn, *args)
 
         @staticmethod
         def backward(ctx, grad):
-            saved = dict(zip(ctx.tensor_pos, ctx.saved_tensors))
-            args = [saved.get(i, ctx.others[i]) for i in range(ctx.n_args)]
-            if linear:  # a placeholder of the input's shape, made in backward, not kept
-                shape, dtype, device = ctx.linear_input
-                args[0] = torch.empty(shape, dtype=dtype, device=device)
-
-            def vjp(*tensors_and_grad):
-                *inputs, g = tensors_and_grad
-                with torch.enable_grad():
-                    live = list(args)
-                    for i, t in zip(ctx.grad_of, inputs):
-                        live[i] = t.detach().requires_grad_(True)
-                    out = fn(*live)
-                    grads = torch.autograd.grad(out, [live[i] for i in ctx.grad_of], g)
-                # a kernel writes its result into a fresh, dense tensor
-                return tuple(t.contiguous() for t in grads)
-
-            grads = observed_call(f"{name}_backward", vjp,
+            args = _kept_args(ctx, linear)
+            grads = observed_call(f"{name}_backward", _vjp(fn, args, ctx.grad_of),
                                   *[args[i] for i in ctx.grad_of], grad)
             full = [None] * ctx.n_args
             for i, g in zip(ctx.grad_of, grads):
@@ -146,30 +167,57 @@ def _modeled_norm():
     return call
 
 
+def _like(ref, t):
+    """``t`` written where a kernel allocating its result as ``ref`` (empty_like) writes it."""
+    import torch
+
+    return torch.empty_like(ref).copy_(t)
+
+
+def _flash_backward(call: Callable, q, k, v, out, lse, grad):
+    """The three backward kernels FlashAttention-2 launches (``run_mha_bwd``:
+    ``flash_bwd_dot_do_o_kernel``, the main ``flash_bwd_dq_dk_dv`` kernel,
+    ``flash_bwd_convert_dq_kernel``), as FlashAttention-3 and cuDNN's fused attention do too (a
+    preprocess, the main kernel, dQ's postprocess): rowsum(dO * O) into fp32 [b, h, s] with the
+    fp32 dQ accumulator zeroed; the main kernel reading q, k, v, the output, the log-sum-exp,
+    the gradient and D, writing dk, dv in the layouts of k, v and adding dQ into the
+    accumulator (its atomic adds counted as one read and one write, a lower bound); dQ
+    converted to q's dtype and layout. (The CPU's kernel returns its gradients in its own
+    layout, which megatron's [s, b, h, e] views would then copy.)"""
+    import torch
+
+    from megatron_boost.parallel.fusion import observed_call
+
+    def preprocess(out, g):  # D = rowsum(dO * O), and the dQ accumulator zeroed
+        return (out.float() * g.float()).sum(-1), torch.zeros_like(q, dtype=torch.float32)
+
+    def main(q, k, v, out, lse, g, delta, dq_accum):  # dK, dV; dQ accumulated in fp32
+        with torch.enable_grad():
+            live = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            dq, dk, dv = torch.autograd.grad(call(*live), live, g)
+        return dq_accum.add_(dq.float()), _like(k, dk), _like(v, dv)
+
+    delta, dq_accum = observed_call("attention_backward_preprocess", preprocess, out, grad)
+    dq_accum, dk, dv = observed_call("attention_backward", main, q, k, v, out, lse, grad,
+                                     delta, dq_accum, kind="attention")
+    dq = observed_call("attention_backward_convert_dq", lambda a: _like(q, a), dq_accum)
+    return dq, dk, dv
+
+
 def _modeled_attention(sdpa: Callable):
     """torch's SDPA as the flash kernels a GPU runs: one kernel forward writing the output in
     the layout of q (and the fp32 log-sum-exp [b, h, s] it keeps); backward the three kernels
-    FlashAttention-2 launches (``run_mha_bwd``: ``flash_bwd_dot_do_o_kernel``, the main
-    ``flash_bwd_dq_dk_dv`` kernel, ``flash_bwd_convert_dq_kernel``), as FlashAttention-3 and
-    cuDNN's fused attention do too (a preprocess, the main kernel, dQ's postprocess): rowsum(dO
-    * O) into fp32 [b, h, s] with the fp32 dQ accumulator zeroed; the main kernel reading q, k,
-    v, the output, the log-sum-exp, the gradient and D, writing dk, dv in the layouts of k, v
-    and adding dQ into the accumulator (its atomic adds counted as one read and one write,
-    a lower bound); dQ converted to q's dtype and layout. (The CPU's kernel returns its
-    gradients in its own layout, which megatron's [s, b, h, e] views would then copy.)"""
+    of :func:`_flash_backward`."""
     import functools
 
     import torch
 
     from megatron_boost.parallel.fusion import observed_call
 
-    def like(ref, t):  # a kernel allocating its result as its input (empty_like) writes there
-        return torch.empty_like(ref).copy_(t)
-
     class _Attention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, call):
-            out = observed_call("attention", lambda q, k, v: like(q, call(q, k, v)), q, k, v,
+            out = observed_call("attention", lambda q, k, v: _like(q, call(q, k, v)), q, k, v,
                                 kind="attention")
             lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # [b, h, s]
             ctx.call = call
@@ -178,23 +226,7 @@ def _modeled_attention(sdpa: Callable):
 
         @staticmethod
         def backward(ctx, grad):
-            q, k, v, out, lse = ctx.saved_tensors
-
-            def preprocess(out, g):  # D = rowsum(dO * O), and the dQ accumulator zeroed
-                return (out.float() * g.float()).sum(-1), torch.zeros_like(q, dtype=torch.float32)
-
-            def main(q, k, v, out, lse, g, delta, dq_accum):  # dK, dV; dQ accumulated in fp32
-                with torch.enable_grad():
-                    live = [t.detach().requires_grad_(True) for t in (q, k, v)]
-                    dq, dk, dv = torch.autograd.grad(ctx.call(*live), live, g)
-                return dq_accum.add_(dq.float()), like(k, dk), like(v, dv)
-
-            delta, dq_accum = observed_call("attention_backward_preprocess", preprocess, out,
-                                            grad)
-            dq_accum, dk, dv = observed_call("attention_backward", main, q, k, v, out, lse,
-                                             grad, delta, dq_accum, kind="attention")
-            dq = observed_call("attention_backward_convert_dq", lambda a: like(q, a), dq_accum)
-            return dq, dk, dv, None
+            return (*_flash_backward(ctx.call, *ctx.saved_tensors, grad), None)
 
     def call(q, k, v, **kwargs):
         return _Attention.apply(q, k, v, functools.partial(sdpa, **kwargs))
