@@ -1,6 +1,7 @@
 """Rules of the validation pass (``config/validation.py``) for values that would be accepted and
 then do nothing, or do harm without a word: a non-finite number, an optimizer's settings set
-for another optimizer, more overlap chunks than the sequence has positions. Each raises ``ValueError`` naming the key, its value, the rule and the fix.
+for another optimizer, more overlap chunks than the sequence has positions, CUDA graphs that a
+replay would run wrong or that fail only at their capture. Each raises ``ValueError`` naming the key, its value, the rule and the fix.
 """
 
 from __future__ import annotations
