@@ -25,6 +25,9 @@ is handled here:
 * megatron's parameter groups (``_get_param_groups``, what its own Muon builds on): 0.19 no
   longer fills in the standard weight-decay overrides when none are passed; the 2-D weights
   Muon takes get weight decay either way (:func:`optimizer_param_groups`).
+* per-layer CUDA graphs: ``cuda_graph_impl`` is the same field, but what a layer's graph
+  captures is ``cuda_graph_scope`` up to 0.18 and ``cuda_graph_modules`` in 0.19 (the old name
+  deprecated): :func:`cuda_graph_fields`.
 
 megatron knowledge that is the same in every supported version, kept here with why:
 
@@ -69,7 +72,7 @@ __all__ = ["SUPPORTED_MEGATRON", "megatron_version", "megatron_supported",
            "load_sharded", "async_calls_queue", "ASYNC_SAVE_STRATEGY",
            "optimizer_reload_defects", "null_tokenizer", "rank_zero_without_process_group",
            "optimizer_param_groups", "megatron_cuda_functions", "KNOWN_WARNINGS",
-           "quiet_known_warnings"]
+           "quiet_known_warnings", "cuda_graph_fields"]
 
 #: Notices megatron-core 0.16-0.19 and torch print on this stack that say nothing is wrong:
 #: the CPU / no-TE fallbacks megatron takes by design here, and the deprecations of APIs that
@@ -361,3 +364,15 @@ def megatron_cuda_functions():
 
     return ((mrandom, "_get_cuda_rng_state", "get_rng_state"),
             (mrandom, "_set_cuda_rng_state", "set_rng_state"))
+
+
+def cuda_graph_fields(impl: str, scope: str) -> dict:
+    """megatron's TransformerConfig keywords of ``training.cuda_graph_impl`` and
+    ``training.cuda_graph_scope``: the scope goes to ``cuda_graph_modules`` where megatron has
+    that field (0.19), else to ``cuda_graph_scope``; by field, not version, so the deprecated
+    name is never passed where the new one exists."""
+    from megatron.core.transformer import TransformerConfig
+
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    scope_field = "cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope"
+    return {"cuda_graph_impl": impl, scope_field: scope}

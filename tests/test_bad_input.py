@@ -677,6 +677,26 @@ CASES = [
     Case("checkpoint_tied_changed", resume("model.share_embeddings_and_output_weights=true"),
          ("model.share_embeddings_and_output_weights=False", "sets True",
           "checkpoint.init_from="), setup=checkpoint(), uses_checkpoint=True),
+    # -- CUDA graphs (config/inert_settings.py check_cuda_graphs) ----------------------------
+    Case("cuda_graph_impl_typo", check(1, "training.cuda_graph_impl=loca"),
+         ("training.cuda_graph_impl ('loca')", "did you mean 'local'")),
+    Case("cuda_graph_with_lowrank_recompute",
+         check(1, "training.cuda_graph_impl=local", "training.recompute=lowrank",
+               "training.device=cuda"),
+         ("training.cuda_graph_impl ('local')", "training.recompute ('lowrank')", "freeze",
+          "training.recompute=null")),
+    Case("cuda_graph_with_full_recompute",
+         check(1, "training.cuda_graph_impl=local", "training.recompute=full",
+               "training.device=cuda"),
+         ("training.cuda_graph_impl ('local')", "training.recompute ('full')",
+          "full-iteration graph")),
+    Case("cuda_graph_on_cpu", train("training.cuda_graph_impl=local", "training.device=cpu"),
+         ("training.cuda_graph_impl ('local')", "needs a CUDA device", "cuda_graph_impl=none")),
+    Case("cuda_graph_on_cpu_by_auto",
+         train("training.cuda_graph_impl=local", "training.device=auto"),
+         ("training.cuda_graph_impl ('local')", "needs a CUDA device")),
+    Case("cuda_graph_transformer_engine", check(1, "training.cuda_graph_impl=transformer_engine"),
+         ("training.cuda_graph_impl ('transformer_engine')", "TECudaGraphHelper", "use local")),
 ]
 
 

@@ -338,3 +338,17 @@ def test_only_initialisation_can_be_left_out_of_the_runs_megatron_config():
     assert to_transformer_config(run, perform_initialization=False).perform_initialization is False
     with pytest.raises(TypeError):
         to_transformer_config(run, num_layers=1)
+
+
+def test_cuda_graph_keys_reach_megatrons_config():
+    """training.cuda_graph_impl and cuda_graph_scope become megatron's fields of this
+    megatron-core version (compat.cuda_graph_fields: cuda_graph_scope, or 0.19's
+    cuda_graph_modules). Resolved as a CUDA run would be: the CPU refuses graphs."""
+    eager = resolve_run(load_run_config(None), "cpu")
+    graphed = load_run_config(None, ["training.cuda_graph_impl=local",
+                                     "training.cuda_graph_scope=attn"])
+    config = to_transformer_config(dataclasses.replace(eager, cfg=graphed))
+    assert config.cuda_graph_impl == "local"
+    scope = getattr(config, "cuda_graph_modules", None) or config.cuda_graph_scope
+    assert [s.name for s in scope] == ["attn"]
+    assert to_transformer_config(eager).cuda_graph_impl == "none"

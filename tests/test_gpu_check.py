@@ -176,16 +176,16 @@ def test_a_stages_cases_run_one_after_the_other_whatever_each_does(capsys):
 
 
 def test_bad_stage_selection_is_one_error_line(capsys):
-    assert gpu_check.main(["--cpu", "--stages", "0,9"]) == 2
+    assert gpu_check.main(["--cpu", "--stages", "0,99"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --stages '0,9' must be a comma-separated list")
+    assert err.startswith("error: --stages '0,99' must be a comma-separated list")
 
 
 #: The script's two runs here: (arguments, extra environment) by the test that reads it.
 RUNS = {
     # the clean run in two halves at once: each half runs its stages one at a time
     "test_cpu_dry_run_every_stage_passes": (["--cpu", "--stages", "0,1,2,3,8"], {}),
-    "test_cpu_dry_run_every_stage_passes/measuring": (["--cpu", "--stages", "4,5,6,7"], {}),
+    "test_cpu_dry_run_every_stage_passes/measuring": (["--cpu", "--stages", "4,9,5,6,7"], {}),
     # one run for every way a stage fails: made to fail, hanging, and the comparisons of
     # stages 3 and 8 under a perturbed weight and a dropped collective
     "test_a_failing_and_a_hanging_stage_do_not_stop_the_next": (
@@ -270,11 +270,15 @@ def test_cpu_dry_run_every_stage_passes(script_runs):
     assert "no GPU" in [r for r in _stage_rows(out, 7) if "jit_fuser" in r][0]
     ledger_rows = [r for r in _stage_rows(out, 7) if "op ledger:" in r]
     assert len(ledger_rows) == 6 and all("profiler: n/a (no GPU)" in r for r in ledger_rows)
-    assert "gpu_check: 5/5 stages ok" in out and "gpu_check: 4/4 stages ok" in out
+    # stage 9 (CUDA graphs) is CUDA-only: one n/a row saying so
+    graph_rows = _stage_rows(out, 9)[:-1]
+    assert len(graph_rows) == 1 and _status(graph_rows[0]) == "n/a", graph_rows
+    assert "no GPU" in graph_rows[0]
+    assert out.count("gpu_check: 5/5 stages ok") == 2
     # the per-stage times, in the run order (stages 0-3 and the TP stage first)
     times = [t for line in re.findall(r"^stage times: (.*)$", out, re.M)
              for t in line.split(" | ")[:-1]]
-    assert [int(t.split()[0]) for t in times] == [0, 1, 2, 3, 8, 4, 5, 6, 7]
+    assert [int(t.split()[0]) for t in times] == [0, 1, 2, 3, 8, 4, 9, 5, 6, 7]
 
 
 def test_a_failing_and_a_hanging_stage_do_not_stop_the_next(script_runs):

@@ -9,7 +9,8 @@ Every stage runs in a subprocess of its own with its own time limit (and the who
 of time is a row, and the next stage still runs. Exit status 1 when any stage failed, 2 for bad
 arguments. The stages are :mod:`megatron_boost.testing.gpu_training_stages` (0-2, 4: does
 training work), :mod:`megatron_boost.testing.gpu_layout_stages` (3, 8: layouts against the
-one-process reference) and :mod:`megatron_boost.testing.gpu_measure` (5-7: how fast), their
+one-process reference), :mod:`megatron_boost.testing.gpu_measure` (5-7: how fast) and
+:mod:`megatron_boost.testing.gpu_graph_stage` (9: CUDA graphs on = off), their
 plans :mod:`megatron_boost.testing.gpu_stages`; the runner is
 :mod:`megatron_boost.runtime.stages`; docs/gpu.md describes them all.
 """
@@ -27,8 +28,8 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 from megatron_boost.runtime import stages as runner
-from megatron_boost.testing import (gpu_layout_stages, gpu_measure, gpu_stages,
-                                    gpu_training_stages)
+from megatron_boost.testing import (gpu_graph_stage, gpu_layout_stages, gpu_measure,
+                                    gpu_stages, gpu_training_stages)
 from megatron_boost.testing.gpu_stages import ROOT, RUN_ORDER, STAGE_NAMES, Plan
 
 #: Test hooks (tests/test_gpu_check.py): the stage with this number raises at its start, or
@@ -41,7 +42,8 @@ STAGES: Dict[int, Callable[[Plan, Path], None]] = {
     2: gpu_training_stages.stage_resume, 3: gpu_layout_stages.stage_equivalence,
     8: gpu_layout_stages.stage_tensor_parallel, 4: gpu_training_stages.stage_host_syncs,
     5: gpu_measure.stage_throughput,
-    6: gpu_measure.stage_attention, 7: gpu_measure.stage_layers}
+    6: gpu_measure.stage_attention, 7: gpu_measure.stage_layers,
+    9: gpu_graph_stage.stage_cuda_graphs}
 runner.STAGE_NAMES.update(STAGE_NAMES)
 
 

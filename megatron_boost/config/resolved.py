@@ -21,6 +21,8 @@ from typing import Any, Optional, Tuple
 import torch
 import yaml
 
+from megatron_boost.compat import cuda_graph_fields
+from megatron_boost.config.inert_settings import check_cuda_graphs
 from megatron_boost.config.run import RunConfig
 from megatron_boost.config.modes import TPMode, resolve_sequence_parallel
 from megatron_boost.config.transformer import BoostTransformerConfig
@@ -144,6 +146,7 @@ def resolve_run(cfg: RunConfig, device: Optional[str] = None, *, tokenizer=None,
         kernels: the fused kernels that import; default: probed (none on the CPU).
     """
     device = resolve_device(device or cfg.training.device)
+    check_cuda_graphs(cfg.training.cuda_graph_impl, cfg.training.recompute, device)
     backend, reason = resolve_attention_backend(cfg.model.attention_backend, device,
                                                 te_available())
     vocab = vocab_size if vocab_size is not None else run_vocab_size(cfg, tokenizer)
@@ -238,6 +241,7 @@ def to_transformer_config(run: ResolvedRun, *,
         bottleneck_overlap_chunks=par.bottleneck_overlap_chunks,
         share_embeddings_and_output_weights=m.share_embeddings_and_output_weights,
         perform_initialization=perform_initialization,
+        **cuda_graph_fields(cfg.training.cuda_graph_impl, cfg.training.cuda_graph_scope),
     )
     kwargs.update({name: on for name, on, _ in run.fusions})  # device and kernels (resolve_run)
     return BoostTransformerConfig(**kwargs)

@@ -170,6 +170,14 @@ class TrainingConfig:
     recompute: Optional[str] = None
     """Activation recompute: null; selective or full (megatron-core's); lowrank (BOOST's
     low-rank activation checkpointing: naive and boost modes, no collective re-run)."""
+    cuda_graph_impl: str = "none"
+    """megatron's per-layer CUDA graphs (its TransformerConfig field of that name): none, or
+    local (megatron-core's own capture, every mode). CUDA only; refused with recompute lowrank
+    or full. megatron's transformer_engine value is refused: megatron-LM's loop captures
+    those graphs, not megatron-core (docs/design.md §7)."""
+    cuda_graph_scope: str = "full"
+    """What each layer's graph captures (megatron's ``cuda_graph_scope``, 0.19's
+    ``cuda_graph_modules``): full (the whole layer), attn or mlp."""
     seed: int = 1234
     """Seed of the weight init and the data order."""
     device: str = "auto"

@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_boost.config.inert_settings import (check_finite_numbers, check_muon_keys_need_muon,
+from megatron_boost.config.inert_settings import (CUDA_GRAPH_IMPLS, CUDA_GRAPH_SCOPES,
+                                                   TE_GRAPHS_FIX,
+                                                   check_cuda_graphs, check_finite_numbers,
+                                                   check_muon_keys_need_muon,
                                                    check_overlap_chunks_fit)
 from megatron_boost.config.modes import (TPMode, check_bottleneck_ranks, check_lowrank_recompute,
                                           check_pipeline_seq_length, check_tp_split,
@@ -318,6 +321,11 @@ def _check_modes(cfg) -> None:
                   "auto: bf16 on CUDA, fp32 on the CPU")
     _check_one_of("training.recompute", t.recompute, _RECOMPUTE,
                   "null recomputes nothing")
+    _check_one_of("training.cuda_graph_impl", t.cuda_graph_impl, CUDA_GRAPH_IMPLS,
+                  TE_GRAPHS_FIX)
+    _check_one_of("training.cuda_graph_scope", t.cuda_graph_scope, CUDA_GRAPH_SCOPES,
+                  "full captures the whole layer")
+    check_cuda_graphs(t.cuda_graph_impl, t.recompute, t.device)
     _check_full_rank_fusion(cfg)
     _check_overlap_chunks(cfg)
 

@@ -16,6 +16,8 @@ stages live by family:
   GPU or the CPU, NCCL with DP and PP where there are GPUs for it), then naive and full at
   TP=2 saved and resumed through the trainer.
 * :mod:`megatron_boost.testing.gpu_measure`, how fast: 5-7.
+* :mod:`megatron_boost.testing.gpu_graph_stage`: 9 megatron's per-layer CUDA graphs, naive
+  and boost trained with graphs on and off: the same losses, and the step times.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ BACKENDS = ("te", "sdpa", "local")
 #: (0-3 and the TP stage 8) first, the measurements after.
 STAGE_NAMES = {0: "environment", 1: "bf16 steps", 2: "save/resume", 3: "naive=boost",
                4: "host syncs", 5: "throughput", 6: "attention", 7: "layer GEMMs",
-               8: "TP=2"}
-RUN_ORDER = (0, 1, 2, 3, 8, 4, 5, 6, 7)
+               8: "TP=2", 9: "CUDA graphs"}
+RUN_ORDER = (0, 1, 2, 3, 8, 4, 9, 5, 6, 7)
 
 #: Negative control of the comparisons (stages 3 and 8), read at the stage's start: ``weight``
 #: perturbs one decoder weight shard, ``collective`` drops every tensor-parallel all-reduce
@@ -107,7 +109,7 @@ def gpu_plan() -> Plan:
         device="cuda",
         # stage 0 pays the cold start: first imports of torch, megatron and TE, CUDA context;
         # stage 8 pays three more: its ranks start twice (comparisons, then save/resume)
-        limits={0: 90, 1: 90, 2: 100, 3: 60, 8: 150, 4: 60, 5: 100, 6: 60, 7: 80},
+        limits={0: 90, 1: 90, 2: 100, 3: 60, 8: 150, 4: 60, 9: 60, 5: 100, 6: 60, 7: 80},
         deadline=540.0,
         throughput_overrides=["parallel.tp=1", "training.micro_batch_size=4",
                               "training.global_batch_size=4", "training.train_iters=20",

@@ -35,15 +35,17 @@ __all__ = [
 
 
 def initialize_parallel(tp: int, pp: int, vpp: Optional[int], seed: int,
-                        timeout_minutes: float = 30.0) -> int:
+                        timeout_minutes: float = 30.0, cuda_graphs: bool = False) -> int:
     """Create megatron's process groups (torch.distributed must be initialised) and seed the
     tensor-parallel RNG tracker. Returns the data-parallel size. The world layout is checked
     by ``config.validation.ParallelDims`` (and again by megatron itself). ``timeout_minutes``
-    bounds every collective of those groups (megatron's default is 30)."""
+    bounds every collective of those groups (megatron's default is 30). ``cuda_graphs``
+    (``training.cuda_graph_impl: local``): the tracker keeps its states in graph-safe
+    generators, which megatron's graph capture requires of it."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, distributed_timeout_minutes=timeout_minutes)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs)
     return parallel_state.get_data_parallel_world_size()
 
 

@@ -48,6 +48,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_boost.analysis.comm import StepCommShape, step_comm_bytes
 from megatron_boost.analysis.flops import flops_per_token
+from megatron_boost.config.inert_settings import check_cuda_graphs
 from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.resolved import resolve_run, resolved_config, resolved_config_yaml
 from megatron_boost.config.validation import train_iterations
@@ -141,6 +142,9 @@ class Trainer:
     def __init__(self, cfg, device: str, on_stall=None, lock: Optional[RunLock] = None,
                  callbacks: Sequence[TrainerCallback] = ()):
         self.cfg, self.device = cfg, device
+        # training.device=auto is known only now; the RNG tracker's graph-safe seeding below
+        # would otherwise fail first, with megatron's assertion
+        check_cuda_graphs(cfg.training.cuda_graph_impl, cfg.training.recompute, device)
         self.callbacks = tuple(callbacks)  # train/callbacks.py; usually none
         self.lock = lock or RunLock()  # the caller releases it (train() does)
         self.t_start = time.perf_counter()
@@ -187,7 +191,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         timeout = collective_timeout(par.timeout_minutes, self.device)
         self.dp = step.initialize_parallel(par.tp, par.pp, par.vpp, t.seed,
-                                           timeout.total_seconds() / 60)
+                                           timeout.total_seconds() / 60,
+                                           cuda_graphs=t.cuda_graph_impl == "local")
         init_num_microbatches_calculator(dist.get_rank(), None, t.global_batch_size,
                                          t.micro_batch_size, self.dp)
         self.num_microbatches = get_num_microbatches()
