@@ -1,6 +1,7 @@
-"""TPMode past config parsing: below the entry points (cli/) and the harness (testing/), no
-module compares a mode with its name or keys a table by the names (issue 38's "one
-vocabulary"). The layers' package (parallel/) has its own check in its tests."""
+"""TPMode past config parsing: no module of the package compares a mode with its name or keys
+a table by the names (issue 38's "one vocabulary"). The entry points turn their --mode(s)
+strings into TPMode as they parse them (cli/arg_types.py) and build and read the labels that
+are not modes (``full+sp``) in cli/mode_labels.py only."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ pytestmark = pytest.mark.fast  # the tiers: docs/testing.md
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_boost"
 MODE_NAMES = {"full", "naive", "boost"}
-#: The entry points and the harness parse their own --mode labels ("full+sp"); runtime/ sits
-#: below config/ (tests/test_import_graph.py) and cannot import TPMode.
-NOT_CHECKED = ("cli", "testing", "parallel", "runtime")
+#: runtime/ sits below config/ (tests/test_import_graph.py) and cannot import TPMode.
+NOT_CHECKED = ("runtime",)
 
 
 def _names(node: ast.AST) -> set:

@@ -72,29 +72,43 @@ def _listed_modes(text: str, known: list) -> list:
     return modes
 
 
+def tp_mode(text: str):
+    """One tensor-parallel mode (``full``, ``naive`` or ``boost``): its :class:`TPMode` member."""
+    from megatron_boost.config.modes import TPMode
+
+    names = [m.value for m in TPMode]
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a mode: give one of "
+                                         f"{', '.join(names)}")
+    return TPMode(text)
+
+
 def mode_list(text: str) -> list:
     """A comma-separated list of tensor-parallel modes (``full,naive,boost``): at least one,
     each known and given once (an unknown mode would be skipped and the tool exit 0 having
-    measured nothing)."""
+    measured nothing); the :class:`TPMode` members, in the order given."""
     from megatron_boost.config.modes import TPMode
 
-    return _listed_modes(text, [m.value for m in TPMode])
+    return [TPMode.parse(m) for m in _listed_modes(text, [m.value for m in TPMode])]
 
 
 def layer_mode_list(text: str) -> list:
-    """``mode_list`` plus ``full+sp``: full rank as the BOOST paper measured it (``full``:
-    all-reduce TP, no sequence parallelism) and as megatron users run it (``full+sp``)."""
+    """``mode_list``'s names plus ``full+sp``: full rank as the BOOST paper measured it
+    (``full``: all-reduce TP, no sequence parallelism) and as megatron users run it
+    (``full+sp``); the labels (cli/mode_labels.py reads them)."""
+    from megatron_boost.cli.mode_labels import FULL_SP, label_of
     from megatron_boost.config.modes import TPMode
 
-    return _listed_modes(text, [m.value for m in TPMode] + ["full+sp"])
+    return _listed_modes(text, [label_of(m) for m in TPMode] + [FULL_SP])
 
 
 def bench_mode_list(text: str) -> list:
     """``layer_mode_list`` plus ``full+swiglu``: the benchmark's layouts (the paper's full rank
     with megatron's fused SwiGLU, which the CPU runs only when asked)."""
+    from megatron_boost.cli.mode_labels import FULL_SP, FULL_SWIGLU, label_of
     from megatron_boost.config.modes import TPMode
 
-    return _listed_modes(text, [m.value for m in TPMode] + ["full+sp", "full+swiglu"])
+    return _listed_modes(text, [label_of(m) for m in TPMode] + [FULL_SP, FULL_SWIGLU])
 
 
 def shard_size(text: str) -> str:

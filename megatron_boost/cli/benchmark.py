@@ -52,6 +52,8 @@ import sys
 import time
 
 from megatron_boost.cli.errors import one_line_errors
+from megatron_boost.cli.mode_labels import FULL_SP, FULL_SWIGLU, label_of, layout_of, mode_of
+from megatron_boost.config.modes import TPMode
 
 TARGETS = {"boost_vs_naive": 1.9, "boost_vs_full": 1.7, "single_within": 0.10}
 
@@ -78,20 +80,15 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-#: Benchmark mode name -> (parallel.mode, parallel.sequence_parallel,
-#: model.bias_activation_fusion): ``full`` is the BOOST paper's baseline (no sequence
-#: parallelism), ``full+sp`` megatron's, ``full+swiglu`` the paper's with megatron's fused SwiGLU
-#: (on by default on CUDA; on the CPU its jit_fuser compiles it with inductor); the bottleneck
-#: modes keep the config's resolution (off).
-BENCH_LAYOUTS = {"full": ("full", False, None), "full+sp": ("full", True, None),
-                 "full+swiglu": ("full", False, True)}
-
-
 def apply_bench_layout(cfg, name: str) -> None:
-    """Set the config's mode, sequence parallelism and fused SwiGLU for a benchmark mode."""
-    mode, sp, fusion = BENCH_LAYOUTS.get(name, (name, None, None))
-    cfg.parallel.mode, cfg.parallel.sequence_parallel = mode, sp
-    cfg.model.bias_activation_fusion = fusion
+    """Set the config's mode, sequence parallelism and fused SwiGLU for a benchmark mode label
+    (cli/mode_labels.py): ``full`` is the BOOST paper's baseline (no sequence parallelism),
+    ``full+sp`` megatron's, ``full+swiglu`` the paper's with megatron's fused SwiGLU (on by
+    default on CUDA; on the CPU its jit_fuser compiles it with inductor); the bottleneck modes
+    keep the config's resolution (off)."""
+    layout = layout_of(name)
+    cfg.parallel.mode, cfg.parallel.sequence_parallel = layout.mode, layout.sequence_parallel
+    cfg.model.bias_activation_fusion = layout.bias_activation_fusion
 
 
 def build_mode_run(job: dict, name: str) -> dict:
@@ -215,7 +212,8 @@ def _row(label, name, raw, cfg, tp, pp, seq, gbs, mb):
     from megatron_boost.analysis.flops import rank_step_flops, step_flops
     from megatron_boost.config.modes import resolve_sequence_parallel
 
-    mode, requested_sp, _ = BENCH_LAYOUTS.get(name, (name, None, None))
+    layout = layout_of(name)
+    mode, requested_sp = layout.mode, layout.sequence_parallel
     r0 = raw[0]
     times = r0["times"]
     med = statistics.median(times) if times else float("nan")
@@ -286,8 +284,8 @@ def _png(rows, ratios, path):
     rows = [r for r in rows if not r.get("unavailable")]
     labels = [r["label"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    colors = {"full": "tab:gray", "full+sp": "black", "full+swiglu": "dimgray",
-              "naive": "tab:red", "boost": "tab:green"}
+    colors = {TPMode.FULL: "tab:gray", FULL_SP: "black", FULL_SWIGLU: "dimgray",
+              TPMode.NAIVE: "tab:red", TPMode.BOOST: "tab:green"}
     c = [colors.get(r["label"].split()[0], "tab:blue") if "single" not in r["label"] else
          "tab:blue" for r in rows]
     for ax, key, scale, title in (
@@ -364,19 +362,20 @@ def _run_rows(args, cfg, job: dict, modes, unavailable: dict, single_why) -> lis
     for mode in modes:
         label = f"{mode} TP={args.tp}" + (f" PP={args.pp}" if args.pp > 1 else "")
         if mode in unavailable:
-            rows.append({"label": label, "mode": BENCH_LAYOUTS.get(mode, (mode,))[0],
+            rows.append({"label": label, "mode": mode_of(mode),
                          "unavailable": unavailable[mode]})
         else:
             rows.append(_row(label, mode, raw_by_mode[mode], cfg, args.tp, args.pp, seq, gbs,
                              mb))
     if args.single:
-        label = f"boost TP=1 single ({args.single_threads} thr)"
+        label = f"{TPMode.BOOST} TP=1 single ({args.single_threads} thr)"
         if single_why:
-            rows.append({"label": label, "mode": "boost", "unavailable": single_why})
+            rows.append({"label": label, "mode": TPMode.BOOST, "unavailable": single_why})
         else:
-            sjob = dict(job, tp=1, pp=1, threads=args.single_threads, modes=["boost"])
+            sjob = dict(job, tp=1, pp=1, threads=args.single_threads, modes=[TPMode.BOOST])
             raw = run_distributed(bench_worker, 1, sjob, timeout=3600)
-            rows.append(_row(label, "boost", [raw[0]["boost"]], cfg, 1, 1, seq, gbs, mb))
+            rows.append(_row(label, TPMode.BOOST, [raw[0][TPMode.BOOST]], cfg, 1, 1, seq, gbs,
+                             mb))
             rows[-1]["single"] = True
     return rows
 
@@ -392,14 +391,15 @@ def _ratios(rows) -> dict:
 
     # The strongest full-rank layout: the fastest of full (the paper's), full+sp (megatron's)
     # and full+swiglu (the paper's with megatron's fused SwiGLU).
-    fulls = [f for f in BENCH_LAYOUTS if f in by]
+    fulls = [f for f in (label_of(TPMode.FULL), FULL_SP, FULL_SWIGLU) if f in by]
     strongest = min(fulls, key=lambda f: by[f]["step_time_median_s"]) if fulls else None
-    return {"boost/naive speed": ratio("naive", "boost"),
-            "boost/full speed": ratio("full", "boost"),
-            "boost/full+sp speed": ratio("full+sp", "boost"),
-            "boost/full+swiglu speed": ratio("full+swiglu", "boost"),
-            "boost/strongest full speed": ratio(strongest, "boost"),
-            "boost TP time / single time": ratio("boost", "single")}
+    boost = TPMode.BOOST
+    return {"boost/naive speed": ratio(TPMode.NAIVE, boost),
+            "boost/full speed": ratio(TPMode.FULL, boost),
+            "boost/full+sp speed": ratio(FULL_SP, boost),
+            "boost/full+swiglu speed": ratio(FULL_SWIGLU, boost),
+            "boost/strongest full speed": ratio(strongest, boost),
+            "boost TP time / single time": ratio(boost, "single")}
 
 
 def _targets(ratios: dict, tp: int) -> dict:
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
     unavailable = _unavailable(cfg, modes, args.tp, args.pp, recompute)
     single_why = None
     if args.single:
-        single_why = _validate_mode(cfg, "boost", 1, 1, recompute)
+        single_why = _validate_mode(cfg, TPMode.BOOST, 1, 1, recompute)
         if single_why:
             print(f"single: not runnable: {single_why}", file=sys.stderr)
     load0 = os.getloadavg()

@@ -34,6 +34,8 @@ from typing import List, Optional, Sequence
 
 from megatron_boost.cli.arg_types import layer_mode_list, output_file, positive_int
 from megatron_boost.cli.errors import one_line_errors
+from megatron_boost.cli.mode_labels import layout_of
+from megatron_boost.config.modes import TPMode
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,18 +97,19 @@ def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_lengt
 
     specs = []
     for label in modes:
-        mode = label.split("+")[0]
+        layout = layout_of(label)
+        mode = layout.mode
         cfg.parallel.mode, cfg.parallel.tp = mode, tp
-        cfg.parallel.sequence_parallel = label == "full+sp" if mode == "full" else None
-        cfg.parallel.bottleneck_overlap_chunks = chunks if mode == "boost" else 1
-        cfg.training.recompute = recompute if mode != "full" else None
+        cfg.parallel.sequence_parallel = layout.sequence_parallel
+        cfg.parallel.bottleneck_overlap_chunks = chunks if mode is TPMode.BOOST else 1
+        cfg.training.recompute = recompute if mode.is_lowrank else None
         try:
             cfg.validate()  # the trainer's one pass: the TP split, the ranks
         except ValueError as e:
             raise ValueError(f"{label} at TP={tp}: {e}") from None
         specs.append(LedgerSpec(shape=ModelShape.from_config(cfg, "config"), mode=mode, tp=tp,
                                 micro_batch=micro_batch, seq_length=seq_length, dtype=dtype,
-                                sequence_parallel=label == "full+sp" and tp > 1,
+                                sequence_parallel=bool(layout.sequence_parallel) and tp > 1,
                                 bias_activation_fusion=cfg.model.bias_activation_fusion,
                                 overlap_chunks=cfg.parallel.bottleneck_overlap_chunks,
                                 recompute=cfg.training.recompute))

@@ -34,8 +34,9 @@ from typing import Dict, List, Optional
 
 from megatron_boost.cli.arg_types import non_negative_int, output_file, positive_int
 from megatron_boost.cli.errors import one_line_errors
+from megatron_boost.config.modes import TPMode
 
-MODES = ("full", "naive", "boost")
+MODES = tuple(TPMode)
 DRY_RUN_WORLD = 2
 #: The dry run's widths: every row's depth pattern kept small (the shapes divide TP 2).
 DRY_RUN_MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
@@ -298,12 +299,12 @@ def _ratios(rows: List[dict]) -> Dict[str, dict]:
         t = {r["mode"]: r for r in rows if r["row"] == row}
 
         def speedup(key, base):
-            a, b = t["boost"][key], t[base][key]
+            a, b = t[TPMode.BOOST][key], t[base][key]
             return round(b / a, 3) if a and b else None
-        out[row] = {"boost_vs_full": speedup("iteration_s", "full"),
-                    "boost_vs_naive": speedup("iteration_s", "naive"),
-                    "published_boost_vs_full": speedup("published_a100_s", "full"),
-                    "published_boost_vs_naive": speedup("published_a100_s", "naive")}
+        out[row] = {"boost_vs_full": speedup("iteration_s", TPMode.FULL),
+                    "boost_vs_naive": speedup("iteration_s", TPMode.NAIVE),
+                    "published_boost_vs_full": speedup("published_a100_s", TPMode.FULL),
+                    "published_boost_vs_naive": speedup("published_a100_s", TPMode.NAIVE)}
     return out
 
 

@@ -16,6 +16,7 @@ import json
 from typing import Dict, Optional, Sequence
 
 from megatron_boost.cli.arg_types import mode_list, output_file, positive_int
+from megatron_boost.config.modes import TPMode
 from megatron_boost.config.shape import ModelShape
 from megatron_boost.cli.errors import one_line_errors
 from megatron_boost.perf.hardware import HARDWARE, hardware
@@ -135,7 +136,7 @@ def check_layouts(s: Dict, modes, config: Optional[str]) -> None:
     for mode in modes:
         cfg.parallel.mode = mode
         cfg.parallel.sequence_parallel = None  # each mode's default
-        if mode != "boost":
+        if mode is not TPMode.BOOST:
             cfg.parallel.bottleneck_overlap_chunks = 1
         rc = _mode_recompute(s["rc"], mode)
         cfg.training.recompute = None if rc == "none" else rc
@@ -146,9 +147,9 @@ def check_layouts(s: Dict, modes, config: Optional[str]) -> None:
                              f"refuses: {e}") from None
 
 
-def _mode_recompute(rc: str, mode: str) -> str:
+def _mode_recompute(rc: str, mode: TPMode) -> str:
     # the full-rank model has no bottleneck to checkpoint
-    return "full" if rc == "lowrank" and mode == "full" else rc
+    return "full" if rc == "lowrank" and mode is TPMode.FULL else rc
 
 
 def _predictions(s: Dict, modes, hw, gpus_per_node) -> list:

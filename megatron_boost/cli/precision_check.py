@@ -15,6 +15,7 @@ from typing import Dict, List, Sequence
 
 from megatron_boost.cli.arg_types import mode_list, positive_int
 from megatron_boost.cli.errors import one_line_errors
+from megatron_boost.config.modes import TPMode
 
 __all__ = ["main", "bf16_error_worker", "precision_models"]
 
@@ -85,8 +86,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['mode']:<6} {r['loss_rel_err']:>14.3e} {r['grad_rel_err']:>14.3e}")
     by_mode = {r["mode"]: r for r in rows}
-    if "boost" in by_mode and "naive" in by_mode:
-        ok = by_mode["boost"]["loss_rel_err"] <= by_mode["naive"]["loss_rel_err"]
+    if TPMode.BOOST in by_mode and TPMode.NAIVE in by_mode:
+        ok = by_mode[TPMode.BOOST]["loss_rel_err"] <= by_mode[TPMode.NAIVE]["loss_rel_err"]
         print(f"boost loss error <= naive's: {'yes' if ok else 'NO'}")
         return 0 if ok else 1
     return 0

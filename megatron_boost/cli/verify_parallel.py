@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_boost.cli.arg_types import positive_int
+from megatron_boost.cli.arg_types import positive_int, tp_mode
 from megatron_boost.cli.errors import one_line_errors
 
 
@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pp", type=positive_int, default=1)
     parser.add_argument("--vpp", type=positive_int, default=None, help="virtual pipeline stages")
     parser.add_argument("--dp", type=positive_int, default=1)
-    parser.add_argument("--mode", choices=["full", "naive", "boost"], default=None,
-                        help="TP mode (default: the config's)")
+    parser.add_argument("--mode", type=tp_mode, default=None,
+                        help="TP mode: full, naive or boost (default: the config's)")
     parser.add_argument("--tiny", action="store_true",
                         help="shrink the model to a few seconds' size, keeping its structure")
     parser.add_argument("--distributed-optimizer", action="store_true")

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Sequence
 
+from megatron_boost.config.modes import TPMode
 from megatron_boost.runtime.stages import Row, check, emit, info, one_line
 from megatron_boost.testing.gpu_stages import (
     COMPARISON_STEPS,
@@ -69,7 +70,7 @@ def fp32_math_mode(stage: int) -> None:
           + ", ".join(f"{k}={v}" for k, v in env.items()))
 
 
-def comparison_spec(mode: str, tp: int = 1, pp: int = 1, control: Optional[str] = None):
+def comparison_spec(mode: TPMode, tp: int = 1, pp: int = 1, control: Optional[str] = None):
     """A layout of the equivalence harness, run for COMPARISON_STEPS steps with sdpa attention
     (the same core on every layout and device), under ``control`` when given."""
     from megatron_boost.testing.verification import LayoutSpec
@@ -127,8 +128,8 @@ def stage_equivalence(plan: Plan, work: Path) -> None:
     if control == "collective":
         emit(Row(3, "negative control", "n/a", "no tensor-parallel collective at TP=1"))
         control = None
-    spec = comparison_spec("boost", control=control)
-    reference = one_process_references([spec])["naive"]
+    spec = comparison_spec(TPMode.BOOST, control=control)
+    reference = one_process_references([spec])[TPMode.NAIVE]
     from megatron_boost.testing.verification import run_many
 
     comparison_rows(3, "boost vs naive, tp=1", run_many(0, 1, [(spec, reference)]))
@@ -137,13 +138,15 @@ def stage_equivalence(plan: Plan, work: Path) -> None:
 def tensor_parallel_layouts(device: str, gpus: int, control: Optional[str]):
     """(world, backend, specs) of each multi-process run: two processes over gloo (on the CPU,
     or sharing one GPU with CUDA tensors); with 2+ GPUs NCCL and DP=2, with 4 also PP=2."""
-    at_tp2 = [comparison_spec(mode, tp=2, control=control) for mode in ("boost", "naive", "full")]
+    at_tp2 = [comparison_spec(mode, tp=2, control=control)
+              for mode in (TPMode.BOOST, TPMode.NAIVE, TPMode.FULL)]
     if device != "cuda" or gpus < 2:
         return [(2, "gloo", at_tp2)]
-    runs = [(2, "nccl", at_tp2 + [comparison_spec("boost", tp=1, control=control)])]  # DP=2
+    boost = TPMode.BOOST
+    runs = [(2, "nccl", at_tp2 + [comparison_spec(boost, tp=1, control=control)])]  # DP=2
     if gpus >= 4:
-        runs.append((4, "nccl", [comparison_spec("boost", tp=2, control=control),  # DP=2
-                                 comparison_spec("boost", tp=2, pp=2, control=control)]))
+        runs.append((4, "nccl", [comparison_spec(boost, tp=2, control=control),  # DP=2
+                                 comparison_spec(boost, tp=2, pp=2, control=control)]))
     return runs
 
 
@@ -194,7 +197,7 @@ def _tp_resume(plan: Plan, work: Path, world: int, backend: str) -> None:
 
 
 def _tp_resume_cases(plan: Plan, work: Path, backend: str, attention: str) -> Iterable[Case]:
-    for mode in ("naive", "full"):
+    for mode in (TPMode.NAIVE, TPMode.FULL):
         case = f"{mode} tp=2 save/resume, {attention}, bf16"
         yield Case(case, functools.partial(_tp_resume_case, plan, work / mode, backend, case,
                                            mode, attention))

@@ -22,6 +22,7 @@ from typing import Iterable, Optional, Sequence
 from megatron_boost.analysis.rank_shape import (projection_gemms, projection_training_flops,
                                                rank_layout_problem, rank_local_shape,
                                                shape_overrides)
+from megatron_boost.config.modes import TPMode
 from megatron_boost.perf.timing import DeviceTimer, projection_gemm_ms
 from megatron_boost.runtime.stages import Row, check, emit, info, one_line
 from megatron_boost.testing.gpu_stages import (BACKENDS, MODES, Case, Plan,
@@ -40,10 +41,10 @@ __all__ = ["stage_throughput", "stage_attention", "stage_layers"]
 def stage_throughput(plan: Plan, work: Path) -> None:
     setup_stage(plan)
     run_cases(5, (Case(f"cola-350m {mode}", functools.partial(_throughput_case, plan, mode))
-                  for mode in ("boost", "full")), plan.device)
+                  for mode in (TPMode.BOOST, TPMode.FULL)), plan.device)
 
 
-def _throughput_case(plan: Plan, mode: str) -> None:
+def _throughput_case(plan: Plan, mode: TPMode) -> None:
     import torch
 
     from megatron_boost.analysis.flops import flops_per_token
@@ -137,7 +138,7 @@ def _attention_case(plan: Plan, case: str, backend: str) -> None:
     from megatron_boost.measure.memory import SavedActivations
 
     _, config = _layer_config(f"configs/{plan.attention_model}.yaml",
-                              [f"model.seq_length={plan.attention_seq}"], "boost", backend,
+                              [f"model.seq_length={plan.attention_seq}"], TPMode.BOOST, backend,
                               plan.device)
     layer = build_decoder_layer(config).to(plan.device)
     x = torch.randn(plan.attention_seq, 1, config.hidden_size, device=plan.device,

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
+from megatron_boost.config.modes import TPMode
 from megatron_boost.runtime.stages import Row, check, emit, one_line
 
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("full", "naive", "boost")
+MODES = tuple(TPMode)
 BACKENDS = ("te", "sdpa", "local")
 
 #: Stage numbers, names and the order they run in: what decides whether training works at all

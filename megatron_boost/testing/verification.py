@@ -19,6 +19,8 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_boost.config.modes import TPMode
+
 __all__ = ["LayoutSpec", "run_layout", "TOLERANCES", "layout_run_config", "model_config",
            "layout_batches", "build_layout", "reference_spec", "run_many", "model_collectives",
            "dropped_tp_all_reduces"]
@@ -247,7 +249,8 @@ def reference_spec(spec: LayoutSpec) -> LayoutSpec:
     """The one-process counterpart of a layout: same model and batch, TP = PP = DP = 1.
     Bottleneck layouts (naive, boost) are all checked against the one-process naive model,
     whose norms and attention are megatron-core's own modules."""
-    return LayoutSpec(mode="full" if spec.mode == "full" else "naive", tp=1, pp=1, vpp=None,
+    full = TPMode.parse(spec.mode) is TPMode.FULL
+    return LayoutSpec(mode=TPMode.FULL if full else TPMode.NAIVE, tp=1, pp=1, vpp=None,
                       model=dict(spec.model), seq_length=spec.seq_length,
                       micro_batch_size=spec.micro_batch_size,
                       global_batch_size=spec.global_batch_size, seed=spec.seed,
