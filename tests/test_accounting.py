@@ -27,6 +27,7 @@ from megatron_boost.measure.layer_comm import LayerCommSpec, measure_layer_comm_
 from megatron_boost.analysis.comm_report import GIB, comm_volume_report
 from megatron_boost.analysis.flops import (attention_core_flops,
                                            forward_flops_per_token, rank_step_flops, step_flops)
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.shape import ModelShape
 from megatron_boost.measure.memory import SavedActivations
 
@@ -101,7 +102,8 @@ def _worker(rank, world):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     model_parallel_cuda_manual_seed(SEED)
     out["tp2"] = {m: _model_stats(m, 2) for m in MODES}
-    specs = [LayerCommSpec(model=MODEL, mode=m, tp=2, seq_length=8, micro_batch_size=2)
+    specs = [LayerCommSpec(model=MODEL, layout=Layout(mode=m, tp=2), seq_length=8,
+                           micro_batch_size=2)
              for m in MODES]
     out["layer"] = {r["mode"]: r for r in measure_layer_comm_specs(rank, specs)}
     return out

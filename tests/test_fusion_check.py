@@ -11,6 +11,7 @@ import torch
 
 from megatron_boost.measure.fusion_check import fusion_cost, jit_fuser_problem
 from megatron_boost.measure.ledger import LedgerSpec, layer_ledger
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.shape import ModelShape
 from megatron_boost.runtime import stages
 
@@ -40,7 +41,7 @@ def test_a_compiling_fuser_is_no_problem():
 
 
 def test_the_cost_is_the_fused_regions_eager_kernels():
-    ledger = layer_ledger(LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32))
+    ledger = layer_ledger(LedgerSpec(shape=SMALL, layout=Layout(mode="boost", tp=2), seq_length=32))
     kernels, traffic, unfused_kernels, unfused_traffic = fusion_cost(ledger)
     regions = [k for k in ledger.kernels if k.kind == "fused"
                and not k.name.startswith(("rope", "rms_norm", "attention"))]
@@ -53,7 +54,7 @@ def test_the_profiler_stage_fails_on_a_cuda_run_without_the_fuser(capsys, monkey
     from megatron_boost.testing.gpu_measure import fuser_check
 
     monkeypatch.setattr(stages, "_failed", [0])
-    ledger = layer_ledger(LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32))
+    ledger = layer_ledger(LedgerSpec(shape=SMALL, layout=Layout(mode="boost", tp=2), seq_length=32))
     assert not fuser_check(7, True, jit_fuser=_noop, env={}, ledger=ledger)
     row = capsys.readouterr().out.strip().splitlines()[-1]
     assert "FAIL" in row and "jit_fuser" in row and "not torch.compile" in row

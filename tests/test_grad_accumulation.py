@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_boost.measure.ledger import LedgerSpec, ledger_in_process
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.shape import ModelShape
 
 pytestmark = pytest.mark.fast
@@ -21,7 +22,8 @@ def _measured(mode):
 
     with cpu_mode_left_as_found():
         use_cpu(force=True)
-        return ledger_in_process(LedgerSpec(shape=SMALL, mode=mode, tp=2, seq_length=32))
+        return ledger_in_process(LedgerSpec(shape=SMALL, layout=Layout(mode=mode, tp=2),
+                                            seq_length=32))
 
 
 def _local_params(mode):
@@ -30,7 +32,7 @@ def _local_params(mode):
     from megatron_boost.runtime.cpu_mode import cpu_mode_left_as_found, use_cpu
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    spec = LedgerSpec(shape=SMALL, mode=mode, tp=2, seq_length=32)
+    spec = LedgerSpec(shape=SMALL, layout=Layout(mode=mode, tp=2), seq_length=32)
     with cpu_mode_left_as_found():
         use_cpu(force=True)
         with ledger_module._fake_tp_group(2), FakeTensorMode(allow_non_fake_inputs=True):

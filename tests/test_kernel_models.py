@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_boost.measure.ledger import LedgerSpec, layer_ledger
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.shape import ModelShape
 
 pytestmark = pytest.mark.fast
@@ -18,8 +19,8 @@ SEQ, BATCH, TP = 32, 2, 2
 
 
 def _full():
-    return layer_ledger(LedgerSpec(shape=SMALL, mode="full", tp=TP, micro_batch=BATCH,
-                                   seq_length=SEQ))
+    return layer_ledger(LedgerSpec(shape=SMALL, layout=Layout(mode="full", tp=TP),
+                                   micro_batch=BATCH, seq_length=SEQ))
 
 
 def test_rope_keeps_only_its_frequencies():

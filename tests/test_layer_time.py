@@ -16,6 +16,7 @@ import pytest
 from megatron_boost.measure.ledger import CollectiveEntry, LayerLedger, LedgerSpec, \
     layer_ledger
 from megatron_boost.measure.op_recorder import Kernel
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.shape import ModelShape
 from megatron_boost.perf.hardware import hardware
 from megatron_boost.perf.layer_time import DEVICE_PROFILES, KernelCosts, layer_time, \
@@ -87,7 +88,7 @@ def test_a_recorded_kernel_reading_a_collectives_result_depends_on_it():
     """On a real recorded layer: every asynchronous collective's overlapping FLOPs come only
     from kernels that do not read its result, and the kernels that consume a forward
     all-reduce's product (boost's σ) list it among their dependencies."""
-    ledger = layer_ledger(LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32))
+    ledger = layer_ledger(LedgerSpec(shape=SMALL, layout=Layout(mode="boost", tp=2), seq_length=32))
     for c in ledger.collectives:
         readers = [k for k in ledger.kernels if c.issued_at in k.deps]
         assert readers, c
@@ -100,7 +101,7 @@ def test_a_recorded_kernel_reading_a_collectives_result_depends_on_it():
 def test_a_measured_layer_adds_up_at_every_profile(profile):
     """The compute stream's classes and the exposed communication add up to the total; the
     exposed time is the collectives' own, and no more than their time on the link."""
-    ledger = layer_ledger(LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32))
+    ledger = layer_ledger(LedgerSpec(shape=SMALL, layout=Layout(mode="boost", tp=2), seq_length=32))
     timed = layer_time(ledger, profile_costs(profile, 2))
     parts = sum(timed.seconds(c) for c in ("gemm", "attention", "traffic", "exposed_comm"))
     assert timed.total() == pytest.approx(parts)

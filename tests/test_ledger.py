@@ -18,6 +18,7 @@ import pytest
 
 from megatron_boost.analysis.comm import tp_comm_widths
 from megatron_boost.measure.ledger import LedgerSpec, layer_ledger, ledger_in_process
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.placement import local_factor_shapes
 
@@ -47,7 +48,7 @@ def test_gemm_flops_and_collective_bytes_are_the_tables(mode):
     twice that; the collectives carry the design table's widths × tokens × 2 bytes (bf16; the
     fused norm's statistic: 4), forward and backward."""
     t, b = 2, 2
-    spec = LedgerSpec(shape=SMALL, mode=mode, tp=t, micro_batch=b, seq_length=32)
+    spec = LedgerSpec(shape=SMALL, layout=Layout(mode=mode, tp=t), micro_batch=b, seq_length=32)
     ledger = layer_ledger(spec)
     tokens = b * 32
     factors = local_factor_shapes(mode, SMALL.projections(mode), t)
@@ -65,14 +66,14 @@ def test_the_cuda_op_graph_counts_fused_kernels_once():
     """Full rank: its norms, RoPE and SwiGLU are one kernel each way (the stand-ins for TE's
     and megatron's fused kernels), the CPU's eager kernels counted apart; boost: its own
     regions likewise, and its backward all-reduces are asynchronous and overlapped by GEMMs."""
-    full = layer_ledger(LedgerSpec(shape=SMALL, mode="full", tp=2, seq_length=32))
+    full = layer_ledger(LedgerSpec(shape=SMALL, layout=Layout(mode="full", tp=2), seq_length=32))
     names = [k.name for k in full.select(kind="fused")]
     for name in ("rms_norm", "rms_norm_backward", "rope", "rope_backward", "swiglu",
                  "swiglu_backward"):
         assert name in names, names
     assert full.count(kind="attention") == 2  # one kernel forward, one backward
     assert full.eager_count() > full.count()
-    boost = layer_ledger(LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32))
+    boost = layer_ledger(LedgerSpec(shape=SMALL, layout=Layout(mode="boost", tp=2), seq_length=32))
     regions = {k.name for k in boost.select(kind="fused")}
     assert {"sum_of_squares", "scale_and_activate", "scale_and_activate_backward",
             "_gated", "_gated_backward"} <= regions, regions
@@ -92,8 +93,8 @@ def test_boost_at_the_paper_7b_shapes_keeps_this_rounds_targets():
     flash attention launches it (three kernels; measure/kernel_models.py). Before the lean
     round: 12 copies, 0.31 GiB of fp32 products kept, 11.7 GB, 1.46 GiB, 130 kernels:
     docs/results/layer-ops-paper-7b-before.json."""
-    ledger = layer_ledger(LedgerSpec(shape=PAPER_7B, mode="boost", tp=4, micro_batch=4,
-                                     seq_length=4096))
+    ledger = layer_ledger(LedgerSpec(shape=PAPER_7B, layout=Layout(mode="boost", tp=4),
+                                     micro_batch=4, seq_length=4096))
     assert ledger.layout_copies() == []
     assert ledger.saved_fp32_wide == []
     # the flash backward's dQ accumulator passes (counted since the stand-in launches them)
@@ -119,7 +120,7 @@ def test_a_concatenation_put_back_is_a_copy(monkeypatch):
         dz = torch.cat([g @ w for g, w in zip(grads, b.split(list(rows)))], dim=-1)
         return dz.view(*like.shape[:-1], sum(ranks))
 
-    spec = LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32)
+    spec = LedgerSpec(shape=SMALL, layout=Layout(mode="boost", tp=2), seq_length=32)
     assert _measured(spec).layout_copies() == []
     monkeypatch.setattr(bottleneck, "_up_project_dgrad", concatenated)
     copies = _measured(spec).layout_copies()
@@ -140,7 +141,7 @@ def test_an_fp32_bottleneck_kept_for_backward_is_listed(monkeypatch):
             z = activation.act((products.float() * inv).to(products.dtype))
         return bottleneck.split_project(z, b.split(list(geometry.rows)), geometry.ranks)
 
-    spec = LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32)
+    spec = LedgerSpec(shape=SMALL, layout=Layout(mode="boost", tp=2), seq_length=32)
     assert _measured(spec).saved_fp32_wide == []
     monkeypatch.setattr(layers, "up_project", autograd_up)
     ledger = _measured(spec)
@@ -195,7 +196,7 @@ def test_models_of_one_layer_shape_share_a_measurement(monkeypatch):
     monkeypatch.setattr(ledger_module, "_measured_here", measured_once)
     deeper = dataclasses.replace(SMALL, name="deeper", num_layers=8, tied_embeddings=True)
     wider = dataclasses.replace(SMALL, ffn=128)
-    specs = [LedgerSpec(shape, mode="boost", tp=2, seq_length=32, dtype="fp32")
+    specs = [LedgerSpec(shape, layout=Layout(mode="boost", tp=2), seq_length=32, dtype="fp32")
              for shape in (SMALL, deeper, wider)]
     ledgers = ledger_module.measure_ledgers(specs)
     assert len(measured) == 2

@@ -75,6 +75,7 @@ def _run(rank, world):
 
     from megatron_boost.measure.collectives import record_collectives
     from megatron_boost.model.init import sharded_params
+    from megatron_boost.config.layout import Layout
     from megatron_boost.testing.verification import LayoutSpec, layout_batches
     from megatron_boost.train.step import initialize_parallel
 
@@ -82,7 +83,7 @@ def _run(rank, world):
     for tp in (1, 2, 4):
         for mode in ("naive", "boost"):
             for variant in VARIANTS:
-                spec = LayoutSpec(mode=mode, tp=tp, model=MODEL, seq_length=SEQ,
+                spec = LayoutSpec(layout=Layout(mode=mode, tp=tp), model=MODEL, seq_length=SEQ,
                                   micro_batch_size=MICRO_BATCH)
                 initialize_parallel(tp, 1, None, spec.seed)
                 built = _built(spec, **{
@@ -152,10 +153,11 @@ def _dropout_grads(rank, world):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_boost.model.init import sharded_params
+    from megatron_boost.config.layout import Layout
     from megatron_boost.testing.verification import LayoutSpec, layout_batches
     from megatron_boost.train.step import initialize_parallel
 
-    spec = LayoutSpec(mode="boost", tp=1, model=dict(MODEL, attention_backend="local"),
+    spec = LayoutSpec(layout=Layout(mode="boost"), model=dict(MODEL, attention_backend="local"),
                       seq_length=SEQ, micro_batch_size=MICRO_BATCH)
     out = {}
     for recompute in (False, True):

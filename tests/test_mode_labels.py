@@ -86,11 +86,12 @@ def test_layer_ops_specs_follow_the_label():
     cfg = load_run_config(DEBUG, [])
     full_sp, full, boost = ledger_specs(cfg, layer_mode_list("full+sp,full,boost"), 2, 1, 16,
                                         "fp32", 2, "lowrank")
-    assert (full_sp.mode, full_sp.sequence_parallel, full_sp.recompute) == (TPMode.FULL, True,
-                                                                             None)
-    assert (full.mode, full.sequence_parallel) == (TPMode.FULL, False)
-    assert (boost.mode, boost.overlap_chunks, boost.recompute) == (TPMode.BOOST, 2, "lowrank")
-    assert all(type(spec.mode) is TPMode for spec in (full_sp, full, boost))
+    assert (full_sp.layout.mode, full_sp.layout.sequence_parallel, full_sp.recompute) == (
+        TPMode.FULL, True, None)
+    assert (full.layout.mode, full.layout.sequence_parallel) == (TPMode.FULL, False)
+    assert (boost.layout.mode, boost.overlap_chunks, boost.recompute) == (TPMode.BOOST, 2,
+                                                                          "lowrank")
+    assert all(type(spec.layout.mode) is TPMode for spec in (full_sp, full, boost))
 
 
 def test_perf_model_recompute_per_mode():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.run import load_run_config
 from megatron_boost.config import validation
 from megatron_boost.testing.verification import (
@@ -51,8 +52,8 @@ UPDATE_TOL = 1e-3
 
 
 def L(mode, tp=1, pp=1, steps=1, **kw):
-    return LayoutSpec(mode=mode, tp=tp, pp=pp, model=dict(MODEL), optimizer=dict(MUON),
-                      steps=steps, **kw)
+    return LayoutSpec(layout=Layout(mode=mode, tp=tp, pp=pp), model=dict(MODEL),
+                      optimizer=dict(MUON), steps=steps, **kw)
 
 
 # (id, spec, wrong Muon or None): all on two ranks.
@@ -103,7 +104,7 @@ def _layouts(rank, world, jobs):
 
 def _key(spec):
     r = reference_spec(spec)
-    return (r.mode, r.steps)
+    return (r.layout.mode, r.steps)
 
 
 @pytest.fixture(scope="module")

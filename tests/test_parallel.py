@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_boost.config.layout import Layout
 from megatron_boost.testing.verification import (
     TOLERANCES,
     LayoutSpec,
@@ -41,8 +42,9 @@ MODEL4 = dict(MODEL, num_layers=4)  # interleaved pipelines need layers per virt
 TIED = dict(MODEL, share_embeddings_and_output_weights=True)  # one [V, d] table, both ends
 
 
-def L(mode, tp=1, pp=1, vpp=None, model=MODEL, **kw):
-    return LayoutSpec(mode=mode, tp=tp, pp=pp, vpp=vpp, model=dict(model), **kw)
+def L(mode, tp=1, pp=1, vpp=None, model=MODEL, sequence_parallel=None, **kw):
+    layout = Layout(mode=mode, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel)
+    return LayoutSpec(layout=layout, model=dict(model), **kw)
 
 
 # (id, world size, spec)
@@ -94,7 +96,7 @@ LAYOUTS = [
 
 def _ref_key(spec: LayoutSpec):
     r = reference_spec(spec)
-    return (r.mode, tuple(sorted(r.model.items())))
+    return (r.layout.mode, tuple(sorted(r.model.items())))
 
 
 def _selected(request) -> tuple:

@@ -117,12 +117,13 @@ def test_the_ledger_sees_each_all_reduce_beside_more_gemms():
     forward product all-reduce is exposed (synchronous in the one-block layer), and every
     group's backward all-reduces together have more GEMM FLOPs beside them than the one-block
     layer's (its own dB GEMMs only)."""
+    from megatron_boost.config.layout import Layout
     from megatron_boost.measure.ledger import LedgerSpec, layer_ledger
     from tests.test_ledger import SMALL
 
     def ledger(chunks):
-        return layer_ledger(LedgerSpec(shape=SMALL, mode="boost", tp=2, seq_length=32,
-                                       overlap_chunks=chunks))
+        return layer_ledger(LedgerSpec(shape=SMALL, layout=Layout(mode="boost", tp=2),
+                                       seq_length=32, overlap_chunks=chunks))
 
     one, piped = ledger(1), ledger(2)
     products = [c for c in piped.collectives if c.phase == "fwd" and c.width > 1]

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from megatron_boost.analysis.comm import layer_comm_bytes_per_token, tp_comm_widths
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.shape import ModelShape
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config import placement as P
@@ -274,15 +275,15 @@ def _tensor_consumers(monkeypatch):
         refused = False
     except ValueError:
         refused = True
-    spec = ledger.LedgerSpec(shape=SHAPE, mode="boost", tp=TP, seq_length=16)
+    spec = ledger.LedgerSpec(shape=SHAPE, layout=Layout(mode="boost", tp=TP), seq_length=16)
     return {"sp_seq_rule": _sequence_parallel_seq_rule(),
             "gpt_stream": stream_split(TPMode.BOOST, TP), "pipeline_seq_rule": refused,
             **_hidden_sharded_embedding(monkeypatch),
             "ledger_input": ledger.layer_input_shape(spec),
             "ledger_sp_input": ledger.layer_input_shape(dataclasses.replace(
-                spec, mode="full", sequence_parallel=True)),
-            "comm_input": comm.layer_input_shape(comm.LayerCommSpec(mode="boost", tp=TP),
-                                                 SHAPE.hidden),
+                spec, layout=Layout(mode="full", tp=TP, sequence_parallel=True))),
+            "comm_input": comm.layer_input_shape(
+                comm.LayerCommSpec(layout=Layout(mode="boost", tp=TP)), SHAPE.hidden),
             **_perf_tensor_consumers(monkeypatch)}
 
 

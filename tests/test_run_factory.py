@@ -54,6 +54,7 @@ def _entry_points(rank, world, run_dir: str, mode: str) -> dict:
     from megatron_boost.config.resolved import resolve_run
     from megatron_boost.config.run import load_run_config
     from megatron_boost.convert import megatron_side as mb
+    from megatron_boost.config.layout import Layout
     from megatron_boost.testing.verification import LayoutSpec, build_layout
     from megatron_boost.train.step import initialize_parallel
     from megatron_boost.train.trainer import Trainer
@@ -67,7 +68,8 @@ def _entry_points(rank, world, run_dir: str, mode: str) -> dict:
     parallel_state.destroy_model_parallel()
     destroy_num_microbatches_calculator()
 
-    spec = LayoutSpec(mode=mode, model=dict(MODEL), seq_length=MODEL["seq_length"], seed=SEED,
+    spec = LayoutSpec(layout=Layout(mode=mode), model=dict(MODEL),
+                      seq_length=MODEL["seq_length"], seed=SEED,
                       micro_batch_size=2, global_batch_size=2)
     out["verification"] = _facts(build_layout(spec)[1].chunks)
     parallel_state.destroy_model_parallel()

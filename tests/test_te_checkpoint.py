@@ -32,10 +32,12 @@ VARIANTS = ("standin", "plain")
 
 
 def _build(mode: str, tp: int, standin: bool, seed: int):
+    from megatron_boost.config.layout import Layout
     from megatron_boost.testing.verification import LayoutSpec, build_layout
 
     with te_standins() if standin else contextlib.nullcontext():
-        cfg, built, _ = build_layout(LayoutSpec(mode=mode, tp=tp, model=dict(MODEL), seed=seed))
+        cfg, built, _ = build_layout(LayoutSpec(layout=Layout(mode=mode, tp=tp),
+                                                model=dict(MODEL), seed=seed))
     return cfg, built
 
 

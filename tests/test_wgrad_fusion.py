@@ -65,12 +65,13 @@ def _two_micro_batches(built, spec, fused: bool):
 def _run(rank, world):
     from megatron.core import parallel_state
 
+    from megatron_boost.config.layout import Layout
     from megatron_boost.testing.verification import LayoutSpec
     from megatron_boost.train.step import initialize_parallel
 
     out = {}
     for mode, chunks in CASES:
-        spec = LayoutSpec(mode=mode, tp=TP, model=MODEL, seq_length=SEQ,
+        spec = LayoutSpec(layout=Layout(mode=mode, tp=TP), model=MODEL, seq_length=SEQ,
                           micro_batch_size=MICRO_BATCH)
         initialize_parallel(TP, 1, None, spec.seed)
         built = _built(spec, **({"parallel.bottleneck_overlap_chunks": chunks}

@@ -71,11 +71,12 @@ def _invalid_mode(cfg, modes: Sequence[str], tp: int) -> Optional[str]:
 
 def _measure(cfg, modes: List[str], tp: int, tokens: int, dtype: str) -> Dict[str, Dict]:
     """Per mode, rank 0's measured layer communication; warns when the ranks disagree."""
+    from megatron_boost.config.layout import Layout
     from megatron_boost.measure.layer_comm import LayerCommSpec, layer_comm_worker
     from megatron_boost.runtime.spawn import run_distributed
 
     model = asdict(cfg.model)
-    specs = [LayerCommSpec(model=model, mode=m, tp=tp, seq_length=tokens,
+    specs = [LayerCommSpec(model=model, layout=Layout(mode=m, tp=tp), seq_length=tokens,
                            micro_batch_size=1, dtype=dtype) for m in modes]
     results = run_distributed(layer_comm_worker, tp, specs, timeout=1800)
     # Every rank issues the same collectives; check it.

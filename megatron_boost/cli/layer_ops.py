@@ -77,7 +77,7 @@ def time_lines(ledgers, profile: str) -> List[str]:
     from megatron_boost.measure.ledger import spec_label
     from megatron_boost.perf.layer_time import layer_time, profile_costs, time_table
 
-    timed = [(spec_label(lg.spec), layer_time(lg, profile_costs(profile, lg.spec.tp)))
+    timed = [(spec_label(lg.spec), layer_time(lg, profile_costs(profile, lg.spec.layout.tp)))
              for lg in ledgers]
     lines = ["", f"in time at {profile} (ms; one compute and one communication stream):",
              time_table(timed, profile)]
@@ -92,24 +92,26 @@ def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_lengt
                  dtype: str, chunks: int, recompute: Optional[str]) -> List:
     """One :class:`~megatron_boost.measure.ledger.LedgerSpec` per mode; ValueError naming the
     rule a mode breaks at this layout (checked before anything is built)."""
+    from megatron_boost.config.layout import Layout
     from megatron_boost.measure.ledger import LedgerSpec
     from megatron_boost.config.shape import ModelShape
 
     specs = []
     for label in modes:
-        layout = layout_of(label)
-        mode = layout.mode
+        labelled = layout_of(label)  # the label's mode, sequence parallelism, fused SwiGLU
+        mode = labelled.mode
         cfg.parallel.mode, cfg.parallel.tp = mode, tp
-        cfg.parallel.sequence_parallel = layout.sequence_parallel
+        cfg.parallel.sequence_parallel = labelled.sequence_parallel
         cfg.parallel.bottleneck_overlap_chunks = chunks if mode is TPMode.BOOST else 1
         cfg.training.recompute = recompute if mode.is_lowrank else None
         try:
             cfg.validate()  # the trainer's one pass: the TP split, the ranks
         except ValueError as e:
             raise ValueError(f"{label} at TP={tp}: {e}") from None
-        specs.append(LedgerSpec(shape=ModelShape.from_config(cfg, "config"), mode=mode, tp=tp,
+        specs.append(LedgerSpec(shape=ModelShape.from_config(cfg, "config"),
+                                layout=Layout(mode=mode, tp=tp, sequence_parallel=bool(
+                                    labelled.sequence_parallel) and tp > 1),
                                 micro_batch=micro_batch, seq_length=seq_length, dtype=dtype,
-                                sequence_parallel=bool(layout.sequence_parallel) and tp > 1,
                                 bias_activation_fusion=cfg.model.bias_activation_fusion,
                                 overlap_chunks=cfg.parallel.bottleneck_overlap_chunks,
                                 recompute=cfg.training.recompute))
@@ -139,7 +141,7 @@ def _legend() -> str:
 
 
 def _header(spec, path: str) -> str:
-    s, t = spec.shape, spec.tp
+    s, t = spec.shape, spec.layout.tp
     return (f"op ledger of one decoder layer on TP rank 0 of {t}: {path}, micro-batch "
             f"{spec.micro_batch} x seq {spec.seq_length} = {spec.micro_batch * spec.seq_length}"
             f" tokens, {spec.dtype}; d={s.hidden} f={s.ffn} heads={s.heads} "
@@ -150,7 +152,7 @@ def _details(ledger) -> List[str]:
     gib = 2 ** 30
     from megatron_boost.measure.ledger import spec_label
 
-    name = f"{spec_label(ledger.spec)} tp={ledger.spec.tp}"
+    name = f"{spec_label(ledger.spec)} tp={ledger.spec.layout.tp}"
     lines = [f"{name}: collectives (phase kind scope width MiB async exposed overlapping-GEMM "
              f"TFLOP)"]
     for c in ledger.collectives:
@@ -166,8 +168,8 @@ def _details(ledger) -> List[str]:
 def _kernel_lines(ledger) -> List[str]:
     from megatron_boost.measure.ledger import spec_label
 
-    out = [f"{spec_label(ledger.spec)} tp={ledger.spec.tp}: kernels (phase kind name scope MB "
-           f"GFLOP eager shapes)"]
+    out = [f"{spec_label(ledger.spec)} tp={ledger.spec.layout.tp}: kernels (phase kind name "
+           f"scope MB GFLOP eager shapes)"]
     for k in ledger.kernels:
         out.append(f"  {k.phase} {k.kind} {k.name} {k.scope} {k.bytes / 1e6:.1f} "
                    f"{k.flops / 1e9:.1f} {k.eager_kernels} {list(k.shapes)}")

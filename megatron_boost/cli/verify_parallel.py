@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _layout(args):
     """The LayoutSpec of the command line (validated: raises ValueError for a bad one)."""
+    from megatron_boost.config.layout import Layout
     from megatron_boost.config.run import load_run_config
     from megatron_boost.testing.verification import LayoutSpec, model_config
 
@@ -66,8 +67,8 @@ def _layout(args):
     if args.tiny:
         model = tiny_model(model, args.tp, max(2, args.pp * (args.vpp or 1)))
     model["seq_length"] = args.seq_length
-    spec = LayoutSpec(mode=args.mode or cfg.parallel.mode, tp=args.tp, pp=args.pp,
-                      vpp=args.vpp, model=model, seq_length=args.seq_length,
+    layout = Layout(mode=args.mode or cfg.parallel.mode, tp=args.tp, pp=args.pp, vpp=args.vpp)
+    spec = LayoutSpec(layout=layout, model=model, seq_length=args.seq_length,
                       micro_batch_size=args.micro_batch_size,
                       global_batch_size=args.micro_batch_size * args.dp * 2,
                       use_distributed_optimizer=args.distributed_optimizer,
@@ -105,11 +106,11 @@ def main(argv=None) -> int:
 
     spec = _layout(args)
     world = args.tp * args.pp * args.dp
-    print(f"layout: mode={spec.mode} tp={args.tp} pp={args.pp} vpp={args.vpp} "
+    print(f"layout: mode={spec.layout.mode} tp={args.tp} pp={args.pp} vpp={args.vpp} "
           f"dp={args.dp} world={world} model={'tiny' if args.tiny else 'as configured'}")
     ref_spec = reference_spec(spec)
     reference = run_distributed(run_layout, 1, ref_spec)[0]
-    print(f"reference (one process, {ref_spec.mode}): "
+    print(f"reference (one process, {ref_spec.layout.mode}): "
           f"loss={reference['loss']:.6f} grad_norm={reference['grad_norm']:.6f}")
     results = run_distributed(run_layout, world, spec, reference)
     return 0 if _report(results) else 1

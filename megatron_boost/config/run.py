@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.modes import default_rank
 from megatron_boost.config.yaml_io import key_lines, read_yaml_mapping
 from megatron_boost.config.validation import validate_run_config
@@ -145,6 +146,12 @@ class ParallelConfig:
     """Process-group timeout: a collective that waits longer (a rank died or stopped
     responding) ends the job with an error naming the unresponsive rank. Fractions allowed
     (0.1 = 6 s)."""
+
+    @property
+    def layout(self) -> Layout:
+        """The section's layout record (config/layout.py), built from its flat YAML fields."""
+        return Layout(mode=self.mode, tp=self.tp, pp=self.pp, vpp=self.vpp, dp=self.dp,
+                      sequence_parallel=self.sequence_parallel)
 
 
 @dataclass

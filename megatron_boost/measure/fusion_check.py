@@ -12,6 +12,7 @@ CPU); :func:`fusion_cost` what it costs from a layer's ledger."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Mapping, Optional, Tuple
 
@@ -83,11 +84,12 @@ def run_fuser_notice(cfg, problem: Optional[str]) -> Optional[str]:
     if problem is None:
         return None
     par, t = cfg.parallel, cfg.training
-    spec = LedgerSpec(shape=ModelShape.from_config(cfg, "run"), mode=par.mode, tp=par.tp,
+    layout = par.layout
+    sequence_parallel = bool(par.sequence_parallel) and layout.mode is TPMode.FULL and par.tp > 1
+    spec = LedgerSpec(shape=ModelShape.from_config(cfg, "run"),
+                      layout=dataclasses.replace(layout, sequence_parallel=sequence_parallel),
                       micro_batch=t.micro_batch_size, seq_length=cfg.model.seq_length,
-                      dtype="fp32" if t.precision == "fp32" else "bf16",
-                      sequence_parallel=bool(par.sequence_parallel)
-                      and TPMode.parse(par.mode) is TPMode.FULL and par.tp > 1)
+                      dtype="fp32" if t.precision == "fp32" else "bf16")
     try:
         ledger = layer_ledger(spec)
     except Exception:  # the notice must not stop a run: the cost is then left out

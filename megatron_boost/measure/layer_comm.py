@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.spec_utils import build_module
 
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config.placement import Tensor, tensor_local_shape
 from megatron_boost.config.resolved import resolve_run, to_transformer_config
@@ -67,23 +68,22 @@ class LayerCommSpec:
 
     model: Dict[str, Any] = field(default_factory=dict)
     """ModelConfig fields (hidden_size, ffn_hidden_size, heads, ranks, ...)."""
-    mode: str = "boost"
-    tp: int = 2
+    layout: Layout = Layout(tp=2, sequence_parallel=False)
+    """The mode, the TP size and (full mode) megatron's sequence parallelism (off: the
+    per-layer formula's plain TP)."""
     seq_length: int = 16
     """Tokens per sequence of the measurement (small: bytes scale exactly with tokens)."""
     micro_batch_size: int = 1
     dtype: str = "fp32"
     seed: int = 1234
-    sequence_parallel: bool = False
-    """Full mode: megatron's sequence parallelism (off: the per-layer formula's plain TP)."""
 
 
 def _run_config(spec: LayerCommSpec):
     cfg = RunConfig()
     cfg.model = ModelConfig(**{**asdict(ModelConfig()), **spec.model})
     cfg.model.seq_length = spec.seq_length
-    cfg.parallel.mode, cfg.parallel.tp = spec.mode, spec.tp
-    cfg.parallel.sequence_parallel = spec.sequence_parallel
+    cfg.parallel.mode, cfg.parallel.tp = spec.layout.mode.value, spec.layout.tp
+    cfg.parallel.sequence_parallel = bool(spec.layout.sequence_parallel)
     return cfg.validate()
 
 
@@ -102,7 +102,7 @@ def layer_input_shape(spec: LayerCommSpec, hidden_size: int) -> Tuple[int, int, 
     table splits the stream (boost). The stream's sequence-parallel split is not applied: with
     sequence parallelism the measurement's s positions are each rank's sequence shard."""
     stream = (spec.seq_length, spec.micro_batch_size, hidden_size)
-    return tensor_local_shape(spec.mode, Tensor.STREAM, stream, spec.tp)
+    return tensor_local_shape(spec.layout.mode, Tensor.STREAM, stream, spec.layout.tp)
 
 
 def layer_comm_worker(rank: int, world: int, specs) -> Any:
@@ -112,9 +112,9 @@ def layer_comm_worker(rank: int, world: int, specs) -> Any:
     """
     single = isinstance(specs, LayerCommSpec)
     specs = [specs] if single else list(specs)
-    if any(s.tp != world for s in specs):
+    if any(s.layout.tp != world for s in specs):
         raise ValueError(f"world size ({world}) must equal every spec's tp "
-                         f"({[s.tp for s in specs]})")
+                         f"({[s.layout.tp for s in specs]})")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     results = measure_layer_comm_specs(rank, specs)
     return results[0] if single else results
@@ -140,7 +140,7 @@ def measure_layer_comm_specs(rank: int, specs: Sequence[LayerCommSpec]) -> List[
         x.requires_grad_(True)
         log = measure_layer_comm(layer, x, tp_group)
         out = comm_summary(log, spec.seq_length * spec.micro_batch_size)
-        out.update(mode=spec.mode, input_width=width, element_size=x.element_size(),
+        out.update(mode=spec.layout.mode.value, input_width=width, element_size=x.element_size(),
                    n_params_local=sum(p.numel() for p in layer.parameters()))
         results.append(out)
         del layer, x, log

@@ -61,6 +61,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from megatron_boost.config.layout import Layout
+from megatron_boost.config.modes import TPMode
 from megatron_boost.config.placement import Tensor, tensor_local_shape
 from megatron_boost.config.run import ModelConfig, RunConfig
 from megatron_boost.config.shape import ModelShape, check_mode
@@ -200,7 +202,7 @@ class LayerLedger:
         return out
 
     def to_dict(self) -> Dict[str, Any]:
-        spec = dataclasses.asdict(self.spec)
+        spec = self.spec.to_dict()
         return {"spec": spec, "tokens": self.tokens, "summary": self.summary(),
                 "collectives": [dataclasses.asdict(c) | {"exposed": c.exposed}
                                 for c in self.collectives],
@@ -213,13 +215,12 @@ class LedgerSpec:
     """What to measure: one layer of ``shape`` in ``mode`` on one of ``tp`` ranks."""
 
     shape: ModelShape
-    mode: str = "boost"
-    tp: int = 1
+    layout: Layout = Layout()
+    """The mode, the TP size and (full rank) megatron's sequence parallelism, on only where
+    the layout says true; its pipeline and data sizes play no part in one layer."""
     micro_batch: int = 1
     seq_length: int = 2048
     dtype: str = "bf16"
-    sequence_parallel: bool = False
-    """Full rank: megatron's sequence parallelism."""
     recompute: Optional[str] = None
     """The layer's recompute policy: None or 'lowrank' (the bottleneck modes' layer-level one)."""
     overlap_chunks: int = 1
@@ -227,6 +228,18 @@ class LedgerSpec:
     bias_activation_fusion: Optional[bool] = None
     """Full rank's fused SwiGLU; None: as a CUDA run resolves it (on)."""
 
+    def to_dict(self) -> Dict[str, Any]:
+        """The flat form of the JSON reports (tools/layer_ops.py --json), the layout's fields in
+        their published places."""
+        fields = dataclasses.asdict(self)
+        fields.update(mode=self.layout.mode, tp=self.layout.tp,
+                      sequence_parallel=bool(self.layout.sequence_parallel))
+        return {name: fields[name] for name in _SPEC_JSON_ORDER}
+
+
+#: The spec's keys in the JSON reports, in their published order.
+_SPEC_JSON_ORDER = ("shape", "mode", "tp", "micro_batch", "seq_length", "dtype",
+                    "sequence_parallel", "recompute", "overlap_chunks", "bias_activation_fusion")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,9 +259,9 @@ def _run_config(spec: LedgerSpec):
         bottleneck_activation=shape.bottleneck_activation,
         mlp_gate_activation=shape.mlp_gate_activation, attention_backend="sdpa",
         bias_activation_fusion=(spec.bias_activation_fusion
-                                if check_mode(spec.mode).name == "FULL" else None))
-    cfg.parallel.mode, cfg.parallel.tp = check_mode(spec.mode).value, spec.tp
-    cfg.parallel.sequence_parallel = spec.sequence_parallel
+                                if spec.layout.mode is TPMode.FULL else None))
+    cfg.parallel.mode, cfg.parallel.tp = spec.layout.mode.value, spec.layout.tp
+    cfg.parallel.sequence_parallel = bool(spec.layout.sequence_parallel)
     cfg.parallel.bottleneck_overlap_chunks = spec.overlap_chunks
     cfg.training.micro_batch_size = spec.micro_batch
     cfg.training.global_batch_size = spec.micro_batch
@@ -265,7 +278,8 @@ def _cuda_fusions(spec: LedgerSpec):
     # apex's wgrad kernel too (megatron's linears accumulate into main_grad in their GEMM;
     # the kernel's stand-in: measure/kernel_models.py)
     fusions = resolve_fusions("cuda", "te", FusedKernels(te=True, wgrad_accumulation=True),
-                              mode=spec.mode, bias_activation_fusion=spec.bias_activation_fusion)
+                              mode=spec.layout.mode,
+                              bias_activation_fusion=spec.bias_activation_fusion)
     # the stand-in replaces TE's RoPE kernel, which the CPU cannot call
     fusions["apply_rope_fusion"] = (False, "the ledger's stand-in for TE's fused RoPE")
     return tuple((name, on, why) for name, (on, why) in fusions.items())
@@ -296,8 +310,8 @@ def layer_input_shape(spec: LedgerSpec) -> Tuple[int, int, int]:
     """The layer's input on one rank: the residual stream [s, b, d] split as the placement
     table says (boost: along d; full with sequence parallelism: along s)."""
     stream = (spec.seq_length, spec.micro_batch, spec.shape.hidden)
-    return tensor_local_shape(spec.mode, Tensor.STREAM, stream, spec.tp,
-                              sequence_parallel=spec.sequence_parallel)
+    return tensor_local_shape(spec.layout.mode, Tensor.STREAM, stream, spec.layout.tp,
+                              sequence_parallel=bool(spec.layout.sequence_parallel))
 
 
 def _build(spec: LedgerSpec):
@@ -373,7 +387,7 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
     from megatron_boost.measure.memory import SavedActivations
     from megatron_boost.parallel.fusion import observe_regions
 
-    with _fake_tp_group(spec.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True), \
+    with _fake_tp_group(spec.layout.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True), \
             cuda_kernel_models():  # before the build: megatron's linears check apex's kernel
         layer, rope, config = _build(spec)
         x = torch.empty(layer_input_shape(spec), dtype=config.params_dtype,
@@ -504,7 +518,7 @@ def spec_label(spec: Any) -> str:
     """The layer's name in the tables: its mode, ``+sp`` with sequence parallelism, the
     pipelined all-reduce's chunks and the recompute where they are not the default. ``spec``:
     a :class:`LedgerSpec` or its dict (a JSON file's)."""
-    get = spec.get if isinstance(spec, dict) else lambda key: getattr(spec, key)
+    get = (spec if isinstance(spec, dict) else spec.to_dict()).get
     label = check_mode(get("mode")).value + ("+sp" if get("sequence_parallel") else "")
     if get("overlap_chunks") > 1:
         label += f" ({get('overlap_chunks')} chunks)"

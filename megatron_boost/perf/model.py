@@ -61,6 +61,7 @@ from megatron_boost.analysis.flops import step_flops
 from megatron_boost.measure.ledger import (CORE_ATTENTION_SCOPE, LayerLedger, LedgerSpec,
                                             layer_ledger)
 from megatron_boost.config.shape import MODES, ModelShape, check_mode
+from megatron_boost.config.layout import Layout as ParallelLayout
 from megatron_boost.config.modes import TPMode, check_tp_split, resolve_sequence_parallel
 from megatron_boost.config.placement import (Dim, Group, Tensor, local_factor_shapes,
                                              local_numel, split_dims)
@@ -74,6 +75,10 @@ __all__ = ["MODES", "RECOMPUTE", "Layout", "Prediction", "LayerWork", "layer_wor
            "pipeline_time", "predict", "BACKWARD_SHARE_OF_STEP"]
 
 RECOMPUTE = ("none", "selective", "full", "lowrank")
+#: The layout's keys in the JSON reports (tools/perf_model.py --json), in their published order.
+_LAYOUT_JSON_ORDER = ("mode", "tp", "pp", "dp", "micro_batch", "global_batch", "recompute", "vpp",
+                      "distributed_optimizer", "overlap_grad_reduce", "gpus_per_node",
+                      "sequence_parallel", "overlap_chunks")
 
 #: Share of one micro-batch's forward + backward time that is backward. Backward costs two
 #: matmuls per forward matmul (input and weight gradients: 2× the forward FLOPs), so it is
@@ -85,25 +90,22 @@ BACKWARD_SHARE_OF_STEP = 0.66
 
 
 @dataclass(frozen=True)
-class Layout:
-    mode: str = "boost"
-    tp: int = 1
-    pp: int = 1
+class Layout(ParallelLayout):
+    """The layout record (``config/layout.py``) and the batch and run settings the model prices."""
+
     dp: int = 1
+    vpp: int = 1
     micro_batch: int = 1
     global_batch: Optional[int] = None  # None: micro_batch · dp (one micro-batch per step)
     recompute: str = "none"
-    vpp: int = 1
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
     gpus_per_node: Optional[int] = None  # None: the hardware default
-    sequence_parallel: Optional[bool] = None  # None: on for full at tp > 1 (the trainer's rule)
     overlap_chunks: int = 1  # boost: parallel.bottleneck_overlap_chunks
 
-    @property
-    def resolved_sequence_parallel(self) -> bool:
-        """megatron's sequence parallelism, resolved as ``parallel.sequence_parallel`` is."""
-        return resolve_sequence_parallel(self.mode, self.tp, self.sequence_parallel)[0]
+    def to_dict(self) -> dict:
+        """The fields in the order the JSON reports have always listed them."""
+        return {name: getattr(self, name) for name in _LAYOUT_JSON_ORDER}
 
     @property
     def gpus(self) -> int:
@@ -191,8 +193,8 @@ def layer_work(shape: ModelShape, mode: str, t: int, sequence_parallel: bool = F
     sp = sequence_parallel and mode is TPMode.FULL
     # the heads are split where qkv is split along its output (not naive: replicated)
     heads = shape.heads / t if Dim.D_OUT in split_dims(mode, Group.QKV) else shape.heads
-    spec = LedgerSpec(shape=shape, mode=mode.value, tp=t, micro_batch=micro_batch,
-                      seq_length=shape.seq_length, dtype="bf16", sequence_parallel=sp,
+    spec = LedgerSpec(shape=shape, layout=ParallelLayout(mode=mode, tp=t, sequence_parallel=sp),
+                      micro_batch=micro_batch, seq_length=shape.seq_length, dtype="bf16",
                       overlap_chunks=overlap_chunks if mode is TPMode.BOOST else 1)
     return LayerWork(gemms=gemms, attn_heads=heads,
                      collectives=tp_collectives(shape, mode, dtype="bf16",
@@ -243,13 +245,11 @@ def _stage_layers(L: int, p: int) -> List[int]:
 
 
 def _validate(shape: ModelShape, layout: Layout) -> None:
-    mode, t, p = layout.mode, layout.tp, layout.pp
-    if mode not in MODES:
-        raise ValueError(f"unknown mode '{mode}'; one of {MODES}")
+    mode, t, p = layout.mode, layout.tp, layout.pp  # the record parsed the mode
     rc = layout.recompute or "none"
     if rc not in RECOMPUTE:
         raise ValueError(f"unknown recompute '{rc}'; one of {RECOMPUTE}")
-    if rc == "lowrank" and not TPMode.parse(mode).is_lowrank:
+    if rc == "lowrank" and not mode.is_lowrank:
         raise ValueError("recompute 'lowrank' needs a bottleneck model (mode naive or boost)")
     resolve_sequence_parallel(mode, t, layout.sequence_parallel)  # refuses SP outside full
     if p > shape.num_layers:
@@ -584,7 +584,7 @@ def predict(shape: ModelShape, layout: Layout, hw: HardwareSpec) -> Prediction:
     mem = _memory(st, layers, stage_params)
     tokens = m * layout.micro_batch * layout.dp * shape.seq_length
     mfu = _model_flops(st, tokens) / (total * layout.gpus * hw.peak_bf16_tflops * 1e12)
-    layout_d = dataclasses.asdict(layout)
+    layout_d = layout.to_dict()
     layout_d["num_micro_batches"] = m
     layout_d["gpus_per_node"] = layout.gpus_per_node or hw.gpus_per_node
     return Prediction(

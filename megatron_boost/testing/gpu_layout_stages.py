@@ -73,9 +73,10 @@ def fp32_math_mode(stage: int) -> None:
 def comparison_spec(mode: TPMode, tp: int = 1, pp: int = 1, control: Optional[str] = None):
     """A layout of the equivalence harness, run for COMPARISON_STEPS steps with sdpa attention
     (the same core on every layout and device), under ``control`` when given."""
+    from megatron_boost.config.layout import Layout
     from megatron_boost.testing.verification import LayoutSpec
 
-    return LayoutSpec(mode=mode, tp=tp, pp=pp, model={"attention_backend": "sdpa"},
+    return LayoutSpec(layout=Layout(mode=mode, tp=tp, pp=pp), model={"attention_backend": "sdpa"},
                       steps=COMPARISON_STEPS, corrupt=control == "weight",
                       drop_tp_all_reduce=control == "collective")
 
@@ -88,8 +89,8 @@ def one_process_references(specs) -> Dict[str, dict]:
     refs = {}
     for spec in specs:
         ref = reference_spec(spec)
-        if ref.mode not in refs:
-            refs[ref.mode] = run_many(0, 1, [(ref, None)])[0]
+        if ref.layout.mode not in refs:
+            refs[ref.layout.mode] = run_many(0, 1, [(ref, None)])[0]
     return refs
 
 
@@ -167,11 +168,12 @@ def stage_tensor_parallel(plan: Plan, work: Path) -> None:
     for world, backend, specs in runs:
         where = f"{backend}, {plan.device}" + (f" x{min(world, gpus)}" if gpus else "")
         info(8, f"{world} processes", f"{where}; references: one process, {plan.device}")
-        jobs = [(s, refs[reference_spec(s).mode]) for s in specs]
+        jobs = [(s, refs[reference_spec(s).layout.mode]) for s in specs]
         per_rank = run_distributed(run_many, world, jobs, device=plan.device, backend=backend)
         for i, spec in enumerate(specs):
-            dp = world // (spec.tp * spec.pp)
-            comparison_rows(8, f"{spec.mode} tp={spec.tp} pp={spec.pp} dp={dp}",
+            layout = spec.layout
+            dp = world // (layout.tp * layout.pp)
+            comparison_rows(8, f"{layout.mode} tp={layout.tp} pp={layout.pp} dp={dp}",
                             [rank[i] for rank in per_rank])
     if control is None:  # a negative control concerns the comparisons only
         _tp_resume(plan, work, *runs[0][:2])

@@ -265,10 +265,11 @@ def _device_kernels(step, device: str) -> Optional[int]:
 
 
 def _ledger_spec(local, mode: str, plan: Plan, bf16: bool):
+    from megatron_boost.config.layout import Layout
     from megatron_boost.measure.ledger import LedgerSpec
 
     seq, mbs = plan.layer_tokens
-    return LedgerSpec(shape=local, mode=mode, tp=1, micro_batch=mbs, seq_length=seq,
+    return LedgerSpec(shape=local, layout=Layout(mode=mode, tp=1), micro_batch=mbs, seq_length=seq,
                       dtype="bf16" if bf16 else "fp32")
 
 

@@ -19,6 +19,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_boost.config.layout import Layout
 from megatron_boost.config.modes import TPMode
 
 __all__ = ["LayoutSpec", "run_layout", "TOLERANCES", "layout_run_config", "model_config",
@@ -39,11 +40,9 @@ TOLERANCES = {"loss": 1e-5, "grad": 1e-4, "update": 1e-3, "grad_norm": 1e-5, "lo
 class LayoutSpec:
     """One layout to check (plain data, picklable for spawned workers)."""
 
-    mode: str = "boost"
-    """full, naive or boost."""
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
+    layout: Layout = Layout()
+    """The mode, TP, PP, virtual-pipeline and sequence-parallel settings (``parallel.*``); the
+    data-parallel size follows from the world size."""
     model: Dict = field(default_factory=dict)
     """Overrides of the model section (ModelConfig field names)."""
     seq_length: int = 16
@@ -52,8 +51,6 @@ class LayoutSpec:
     seed: int = 1234
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
-    sequence_parallel: Optional[bool] = None
-    """``parallel.sequence_parallel`` (null: on for full at TP > 1)."""
     step: bool = True
     """Also take one Adam step (clipping on) and compare the updated parameters."""
     corrupt: bool = False
@@ -78,10 +75,11 @@ def layout_run_config(spec: LayoutSpec):
     cfg = RunConfig()
     cfg.model = ModelConfig(**{**asdict(ModelConfig()), **spec.model})
     cfg.model.seq_length = spec.seq_length
-    cfg.parallel.mode, cfg.parallel.tp, cfg.parallel.pp = spec.mode, spec.tp, spec.pp
-    cfg.parallel.vpp = spec.vpp
+    layout = spec.layout
+    cfg.parallel.mode, cfg.parallel.tp, cfg.parallel.pp = layout.mode.value, layout.tp, layout.pp
+    cfg.parallel.vpp = layout.vpp
     cfg.parallel.overlap_grad_reduce = spec.overlap_grad_reduce
-    cfg.parallel.sequence_parallel = spec.sequence_parallel
+    cfg.parallel.sequence_parallel = layout.sequence_parallel
     cfg.parallel.use_distributed_optimizer = spec.use_distributed_optimizer
     cfg.training.seed = spec.seed
     cfg.training.precision = "fp32"  # the tolerances are fp32's, on the GPU too
@@ -124,7 +122,7 @@ def build_layout(spec: LayoutSpec):
     from megatron_boost.train.step import initialize_parallel
 
     cfg = layout_run_config(spec)
-    dp = initialize_parallel(spec.tp, spec.pp, spec.vpp, spec.seed)
+    dp = initialize_parallel(spec.layout.tp, spec.layout.pp, spec.layout.vpp, spec.seed)
     if spec.global_batch_size % (spec.micro_batch_size * dp):
         raise ValueError(f"global_batch_size ({spec.global_batch_size}) must be divisible by "
                          f"micro_batch_size·dp ({spec.micro_batch_size}·{dp})")
@@ -201,7 +199,7 @@ def _logits(spec: LayoutSpec, cfg, built) -> Optional[torch.Tensor]:
     """This rank's logits [b, s, V/tp] (its vocabulary shard) of the global batch's first
     micro-batch after the steps, or None with a pipeline (logits live on the last stage only
     and need the schedule to get there)."""
-    if spec.pp != 1:
+    if spec.layout.pp != 1:
         return None
     batch = layout_batches(spec, cfg.model.vocab_size, 1, 0)[0]
     device = next(built.chunks[0].parameters()).device
@@ -249,9 +247,8 @@ def reference_spec(spec: LayoutSpec) -> LayoutSpec:
     """The one-process counterpart of a layout: same model and batch, TP = PP = DP = 1.
     Bottleneck layouts (naive, boost) are all checked against the one-process naive model,
     whose norms and attention are megatron-core's own modules."""
-    full = TPMode.parse(spec.mode) is TPMode.FULL
-    return LayoutSpec(mode=TPMode.FULL if full else TPMode.NAIVE, tp=1, pp=1, vpp=None,
-                      model=dict(spec.model), seq_length=spec.seq_length,
+    mode = TPMode.FULL if spec.layout.mode is TPMode.FULL else TPMode.NAIVE
+    return LayoutSpec(layout=Layout(mode=mode), model=dict(spec.model), seq_length=spec.seq_length,
                       micro_batch_size=spec.micro_batch_size,
                       global_batch_size=spec.global_batch_size, seed=spec.seed,
                       optimizer=dict(spec.optimizer), steps=spec.steps)
@@ -279,7 +276,7 @@ def model_collectives(rank: int, world: int, spec: LayoutSpec):
     from megatron_boost.train.step import initialize_parallel
 
     cfg = layout_run_config(spec)
-    initialize_parallel(spec.tp, 1, None, spec.seed)
+    initialize_parallel(spec.layout.tp, 1, None, spec.seed)
     model = build_run(resolve_run(cfg)).chunks[0]
     batch = layout_batches(spec, cfg.model.vocab_size, 1, 0)[0]
     with record_collectives(parallel_state.get_tensor_model_parallel_group()) as log:
