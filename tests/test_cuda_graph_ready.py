@@ -23,6 +23,7 @@ micro-batches after a warm-up one, for each:
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -34,12 +35,10 @@ MODES = ("boost", "naive")
 
 
 def _batches(vocab: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        tokens = torch.randint(0, vocab, (MBS, SEQ + 1), generator=gen)
-        yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-               "loss_mask": torch.ones(MBS, SEQ),
-               "position_ids": torch.arange(SEQ).expand(MBS, SEQ)}
+    """The micro-batches of the steps, over and over: three steps' worth of random tokens."""
+    from megatron_boost.data.synthetic import synthetic_microbatches
+
+    return itertools.cycle(synthetic_microbatches(vocab, SEQ, MBS, 3 * MICROBATCHES * MBS, seed))
 
 
 def _plain(value):
