@@ -36,8 +36,21 @@ def test_an_input_with_no_text_is_one_line_before_loading(name, content, tmp_pat
     _one_error_line(capsys, (f"--input '{tmp_path / name}'", "no text to score"))
 
 
-def test_an_input_of_one_token_is_one_line(tmp_path, capsys, trained):
-    (tmp_path / "one.txt").write_text("to")
+def _one_token_text(tokenizer_model: str) -> str:
+    """A word the test tokenizer (trained on the README, so its pieces follow the README's
+    text) encodes as one token."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+    for piece in range(sp.get_piece_size()):
+        text = sp.decode([piece]).strip()
+        if text.isalpha() and len(sp.encode(text)) == 1:
+            return text
+    raise AssertionError("the test tokenizer has no one-token word")
+
+
+def test_an_input_of_one_token_is_one_line(tmp_path, capsys, trained, tokenizer_model):
+    (tmp_path / "one.txt").write_text(_one_token_text(tokenizer_model))
     assert evaluate.main([str(trained), "--input", str(tmp_path / "one.txt")]) == 2
     _one_error_line(capsys, ("one.txt", "1 token", "at least 2"))
 

@@ -71,7 +71,8 @@ def test_tp_stage_layouts_follow_the_gpus_it_finds():
     from megatron_boost.testing.gpu_stages import COMPARISON_STEPS
 
     def shape(device, gpus):
-        return [(world, backend, [(s.mode, s.tp, s.pp, world // (s.tp * s.pp)) for s in specs])
+        return [(world, backend, [(s.layout.mode, s.layout.tp, s.layout.pp,
+                                  world // (s.layout.tp * s.layout.pp)) for s in specs])
                 for world, backend, specs in tensor_parallel_layouts(device, gpus, None)]
 
     at_tp2 = [("boost", 2, 1, 1), ("naive", 2, 1, 1), ("full", 2, 1, 1)]

@@ -151,6 +151,8 @@ RESUME_CONTRACT: Dict[str, Rule] = {
     "training.eval_iters": Rule(MAY_CHANGE, _LOG),
     "training.precision": Rule(MAY_CHANGE, "the arithmetic from the resume point on"),
     "training.recompute": Rule(MAY_CHANGE, _SPEED),
+    "training.cuda_graph_impl": Rule(MAY_CHANGE, _SPEED),
+    "training.cuda_graph_scope": Rule(MAY_CHANGE, _SPEED),
     "training.seed": Rule(MAY_CHANGE, "the data order and dropout from the resume point on"),
     "training.device": Rule(MAY_CHANGE, _SPEED),
     "training.max_skipped_steps": Rule(MAY_CHANGE, "when non-finite steps stop the run"),
