@@ -38,7 +38,7 @@ __all__ = ["Group", "Dim", "Norm", "Factor", "Collective", "GroupPlacement", "PL
            "GROUPS", "GROUP_PROJECTIONS", "placement", "group_of_projection", "widths",
            "layer_collectives", "collective_widths", "local_factor_shapes",
            "placement_markdown", "Tensor", "TensorPlacement", "TENSORS", "tensor_split",
-           "is_split", "local_numel", "tensor_local_shape", "split_dims", "tensors_markdown"]
+           "split_shape", "is_split", "local_numel", "tensor_local_shape", "split_dims", "tensors_markdown"]
 
 
 class Group(str, enum.Enum):
@@ -276,8 +276,14 @@ def tensor_local_shape(mode, tensor: Tensor, shape: Sequence[int], tp: int, *,
     """``shape``, the global shape of ``tensor``, as one of ``tp`` ranks holds it in ``mode``:
     the table's split axis divided by ``divide`` (``variant``: the keywords of
     :func:`tensor_split`)."""
+    return split_shape(shape, tensor_split(mode, tensor, **variant), tp, divide)
+
+
+def split_shape(shape: Sequence[int], split: Optional[int], tp: int,
+                divide: Callable = operator.floordiv) -> tuple:
+    """``shape`` on one of ``tp`` ranks: axis ``split`` (a table entry's; None: replicated)
+    divided by ``divide``."""
     local = list(shape)
-    split = tensor_split(mode, tensor, **variant)
     if split is not None:
         local[split] = divide(local[split], tp)
     return tuple(local)
@@ -364,10 +370,7 @@ def collective_widths(mode, projections: Sequence, products_fp32: bool = True,
 
 
 def _local(factor: Factor, sizes: Dict[Dim, int], tp: int, divide: Callable) -> tuple:
-    shape = [sizes[factor.rows], sizes[factor.cols]]
-    if factor.split is not None:
-        shape[factor.split] = divide(shape[factor.split], tp)
-    return shape[0], shape[1]
+    return split_shape((sizes[factor.rows], sizes[factor.cols]), factor.split, tp, divide)
 
 
 def local_factor_shapes(mode, projections: Sequence, tp: int,

@@ -20,7 +20,7 @@ dtype here (the optimised layer gives it an fp32 all-reduce of its own under bf1
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megatron_boost.config.modes import TPMode
 from megatron_boost.config.placement import (GROUP_PROJECTIONS, Group, Norm, Tensor, placement,
-                                             tensor_split)
+                                             split_shape, tensor_local_shape, tensor_split)
 
 __all__ = ["AllReduceForward", "AllReduceBackward", "GatherHidden", "ReferenceGroup",
            "ReferenceBoostLayer", "ReferenceFinalNorm"]
@@ -81,14 +81,6 @@ class GatherHidden(torch.autograd.Function):
         return grad.chunk(t, dim=ctx.dim)[k].contiguous(), None, None
 
 
-def local_shape(global_shape: Sequence[int], split: Optional[int], t: int) -> tuple:
-    """A tensor's shape on one of t ranks: ``split`` (from the table) divided by t."""
-    shape = list(global_shape)
-    if split is not None:
-        shape[split] //= t
-    return tuple(shape)
-
-
 class ReferenceGroup(torch.nn.Module):
     """One projection group, y_p = B_p·σ(A_p·norm(x)) for each projection p of the group
     (q, k, v; o; gate, up; down), with this rank's A_p [r, d_in/t] and B_p [d_out_p/t, r]
@@ -102,14 +94,14 @@ class ReferenceGroup(torch.nn.Module):
         names = GROUP_PROJECTIONS[group]
 
         def factor(rows, cols, split):
-            return torch.nn.Parameter(torch.empty(local_shape((rows, cols), split, t)))
+            return torch.nn.Parameter(torch.empty(split_shape((rows, cols), split, t)))
 
         # A_p, B_p in the table's projection order (q, k, v; gate, up)
         self.A = torch.nn.ParameterList([factor(rank, d_in, entry.a.split) for p in names])
         self.B = torch.nn.ParameterList([factor(d_out[p], rank, entry.b.split) for p in names])
         self.gamma = None
         if entry.norm is Norm.FUSED:
-            gamma_shape = local_shape((d_in,), tensor_split(BOOST, Tensor.NORM_WEIGHT), t)
+            gamma_shape = tensor_local_shape(BOOST, Tensor.NORM_WEIGHT, (d_in,), t)
             self.gamma = torch.nn.Parameter(torch.ones(gamma_shape))
 
     def forward(self, x: torch.Tensor) -> List[torch.Tensor]:
@@ -170,8 +162,8 @@ class ReferenceFinalNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, tp_group, eps: float = 1e-5):
         super().__init__()
         t = dist.get_world_size(tp_group)
-        split = tensor_split(BOOST, Tensor.FINAL_NORM_WEIGHT)
-        self.weight = torch.nn.Parameter(torch.ones(local_shape((hidden_size,), split, t)))
+        shape = tensor_local_shape(BOOST, Tensor.FINAL_NORM_WEIGHT, (hidden_size,), t)
+        self.weight = torch.nn.Parameter(torch.ones(shape))
         self.tp_group, self.eps = tp_group, eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
