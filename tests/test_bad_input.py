@@ -697,6 +697,13 @@ CASES = [
          ("training.cuda_graph_impl ('local')", "needs a CUDA device")),
     Case("cuda_graph_transformer_engine", check(1, "training.cuda_graph_impl=transformer_engine"),
          ("training.cuda_graph_impl ('transformer_engine')", "TECudaGraphHelper", "use local")),
+    Case("layer_ops_halves_without_boost",
+         tool("layer_ops.py", "--config", DEBUG, "--modes", "full", "--halves"),
+         ("--halves", "full", "add boost to --modes")),
+    Case("layer_ops_halves_odd_micro_batch",
+         tool("layer_ops.py", "--config", DEBUG, "--modes", "boost", "--micro-batch-size", "3",
+              "--halves"),
+         ("--halves", "3", "odd", "even --micro-batch-size")),
 ]
 
 

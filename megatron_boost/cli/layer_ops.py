@@ -4,7 +4,7 @@ saved activations of one decoder layer on one TP rank, at a config's real per-ra
 
     megatron-boost-layer-ops --config configs/paper-7b.yaml [--tp 4] [--modes full,naive,boost]
         [--micro-batch-size 4] [--seq-length 4096] [--dtype bf16] [--chunks 2]
-        [--recompute lowrank] [--profile h100-sxm] [--kernels] [--json out.json]
+        [--recompute lowrank] [--profile h100-sxm] [--halves] [--kernels] [--json out.json]
         [overrides ...]
 
 Each mode's layer is built exactly as the model builds it, from FakeTensors (real shapes, dtypes
@@ -24,6 +24,8 @@ Then the layers in time at a device profile (``--profile``, ``perf/layer_time.py
 kernels on one compute stream and the collectives on one communication stream, a collective
 hidden only by work issued beside it that does not read its result; GEMM, attention, memory
 traffic and exposed communication time, and the total over the FLOP time (GEMMs + attention).
+``--halves`` (boost) also prices two halves of the micro-batch interleaved through the layer, a
+schedule built from the ledger of one half (``perf/halves.py``; the layer does not run it yet).
 ``--kernels`` lists every kernel. Units: GB = 1e9 bytes, GiB = 2**30.
 """
 
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the layer's recompute (lowrank: the bottleneck modes only)")
     parser.add_argument("--profile", choices=list(_profiles()), default=_profiles()[0],
                         help="device profile of the time table (perf/layer_time.py)")
+    parser.add_argument("--halves", action="store_true",
+                        help="boost: also price two halves of the micro-batch interleaved "
+                             "through the layer (perf/halves.py; a schedule not built yet)")
     parser.add_argument("--kernels", action="store_true", help="list every kernel")
     parser.add_argument("--json", type=output_file, default=None,
                         help="write the ledgers here (checked before measuring)")
@@ -176,6 +181,44 @@ def _kernel_lines(ledger) -> List[str]:
     return out
 
 
+def check_halves(specs, modes) -> None:
+    """ValueError unless ``--halves`` has a boost layer and an even micro-batch to split."""
+    if TPMode.BOOST not in [s.layout.mode for s in specs]:
+        raise ValueError(f"--halves prices boost's layer; --modes {','.join(modes)} has no "
+                         f"boost: add boost to --modes")
+    if specs[0].micro_batch % 2:
+        raise ValueError(f"--halves splits the micro-batch in two; micro-batch size "
+                         f"{specs[0].micro_batch} is odd: pass an even --micro-batch-size")
+
+
+def halves_lines(specs, profile: str) -> List[str]:
+    """boost's layer as built beside the two interleaved-halves schedules of
+    ``perf/halves.py``, priced from the ledger of half the micro-batch."""
+    import dataclasses
+
+    from megatron_boost.measure.ledger import layer_ledger
+    from megatron_boost.perf.halves import interleave_halves
+    from megatron_boost.perf.layer_time import layer_time, profile_costs, time_table
+
+    lines = []
+    for spec in specs:
+        if spec.layout.mode is not TPMode.BOOST:
+            continue
+        costs = profile_costs(profile, spec.layout.tp)
+        half = layer_ledger(dataclasses.replace(spec, micro_batch=spec.micro_batch // 2))
+        rows = [("boost as built", layer_time(layer_ledger(spec), costs)),
+                ("boost, halves: forward interleaved",
+                 layer_time(interleave_halves(half), costs)),
+                ("boost, halves: forward and backward interleaved",
+                 layer_time(interleave_halves(half, backward=True), costs))]
+        lines += ["", f"two halves of the micro-batch (B={spec.micro_batch // 2} each) "
+                  f"interleaved through the layer, priced from the half's ledger "
+                  f"(perf/halves.py; not built):", time_table(rows, profile)]
+        lines += [f"{label}: exposed forward {t.exposed['fwd'] * 1e3:.2f} ms, backward "
+                  f"{t.exposed['bwd'] * 1e3:.2f} ms, {t.launches} kernels" for label, t in rows]
+    return lines
+
+
 @one_line_errors
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
@@ -192,11 +235,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          args.seq_length or cfg.model.seq_length, dtype,
                          args.chunks or cfg.parallel.bottleneck_overlap_chunks,
                          None if args.recompute == "none" else args.recompute)
+    if args.halves:
+        check_halves(specs, args.modes)
     ledgers = [layer_ledger(spec) for spec in specs]
     print(_header(specs[0], args.config))
     print(ledger_table(ledgers))
     print(_legend())
     print("\n".join(time_lines(ledgers, args.profile)))
+    if args.halves:
+        print("\n".join(halves_lines(specs, args.profile)))
     for ledger in ledgers:
         print("\n".join(_details(ledger)))
         if args.kernels:
