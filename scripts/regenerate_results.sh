@@ -67,11 +67,14 @@ for item in $what; do
       python scripts/compare_optimizers.py --out "$out/optimizers" --timing-only --append ;;
     ledger)
       # The per-layer op ledger (docs/design.md §17) at the BOOST paper's 7B TP=4 and 1B TP=1
-      # per-rank shapes, and boost's forward all-reduces pipelined over 2 blocks.
+      # per-rank shapes, boost's forward all-reduces pipelined over 2 blocks, and boost's
+      # interleaved halves of the micro-batch.
       python tools/layer_ops.py --config configs/paper-7b.yaml --modes full,full+sp,naive,boost \
         training.device=cpu --json "$out/layer-ops-paper-7b.json"
       python tools/layer_ops.py --config configs/paper-7b.yaml --modes boost --chunks 2 \
         training.device=cpu --json "$out/layer-ops-paper-7b-chunks2.json"
+      python tools/layer_ops.py --config configs/paper-7b.yaml --modes boost --halves \
+        training.device=cpu --json "$out/layer-ops-paper-7b-halves.json"
       python tools/layer_ops.py --config configs/paper-1b.yaml --tp 1 --modes full,naive,boost \
         training.device=cpu --json "$out/layer-ops-paper-1b-tp1.json" ;;
     ledger-time-before)

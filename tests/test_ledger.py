@@ -133,7 +133,7 @@ def test_an_fp32_bottleneck_kept_for_backward_is_listed(monkeypatch):
     fc1's 2·r_mlp); the fused regions keep none."""
     from megatron_boost.parallel import bottleneck, layers, online_rmsnorm
 
-    def autograd_up(products, sumsq, b, geometry):
+    def autograd_up(products, sumsq, b, geometry, link=None):
         activation = geometry.activation
         z = activation.act(products)
         if sumsq is not None:

@@ -24,8 +24,8 @@ Then the layers in time at a device profile (``--profile``, ``perf/layer_time.py
 kernels on one compute stream and the collectives on one communication stream, a collective
 hidden only by work issued beside it that does not read its result; GEMM, attention, memory
 traffic and exposed communication time, and the total over the FLOP time (GEMMs + attention).
-``--halves`` (boost) also prices two halves of the micro-batch interleaved through the layer, a
-schedule built from the ledger of one half (``perf/halves.py``; the layer does not run it yet).
+``--halves`` measures boost with ``parallel.interleave_halves`` (two halves of the micro-batch
+interleaved through the layer, ``parallel/interleave.py``).
 ``--kernels`` lists every kernel. Units: GB = 1e9 bytes, GiB = 2**30.
 """
 
@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", choices=list(_profiles()), default=_profiles()[0],
                         help="device profile of the time table (perf/layer_time.py)")
     parser.add_argument("--halves", action="store_true",
-                        help="boost: also price two halves of the micro-batch interleaved "
-                             "through the layer (perf/halves.py; a schedule not built yet)")
+                        help="boost: parallel.interleave_halves (two halves of the micro-batch "
+                             "interleaved through the layer)")
     parser.add_argument("--kernels", action="store_true", help="list every kernel")
     parser.add_argument("--json", type=output_file, default=None,
                         help="write the ledgers here (checked before measuring)")
@@ -94,7 +94,8 @@ def time_lines(ledgers, profile: str) -> List[str]:
 
 
 def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_length: int,
-                 dtype: str, chunks: int, recompute: Optional[str]) -> List:
+                 dtype: str, chunks: int, recompute: Optional[str], halves: bool = False
+                 ) -> List:
     """One :class:`~megatron_boost.measure.ledger.LedgerSpec` per mode; ValueError naming the
     rule a mode breaks at this layout (checked before anything is built)."""
     from megatron_boost.config.layout import Layout
@@ -108,6 +109,9 @@ def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_lengt
         cfg.parallel.mode, cfg.parallel.tp = mode, tp
         cfg.parallel.sequence_parallel = labelled.sequence_parallel
         cfg.parallel.bottleneck_overlap_chunks = chunks if mode is TPMode.BOOST else 1
+        cfg.parallel.interleave_halves = halves and mode is TPMode.BOOST
+        if cfg.parallel.interleave_halves:  # the halves split the measured micro-batch
+            cfg.training.micro_batch_size = cfg.training.global_batch_size = micro_batch
         cfg.training.recompute = recompute if mode.is_lowrank else None
         try:
             cfg.validate()  # the trainer's one pass: the TP split, the ranks
@@ -119,6 +123,7 @@ def ledger_specs(cfg, modes: Sequence[str], tp: int, micro_batch: int, seq_lengt
                                 micro_batch=micro_batch, seq_length=seq_length, dtype=dtype,
                                 bias_activation_fusion=cfg.model.bias_activation_fusion,
                                 overlap_chunks=cfg.parallel.bottleneck_overlap_chunks,
+                                interleave_halves=cfg.parallel.interleave_halves,
                                 recompute=cfg.training.recompute))
     return specs
 
@@ -181,42 +186,14 @@ def _kernel_lines(ledger) -> List[str]:
     return out
 
 
-def check_halves(specs, modes) -> None:
+def check_halves(modes: Sequence[str], micro_batch: int) -> None:
     """ValueError unless ``--halves`` has a boost layer and an even micro-batch to split."""
-    if TPMode.BOOST not in [s.layout.mode for s in specs]:
-        raise ValueError(f"--halves prices boost's layer; --modes {','.join(modes)} has no "
+    if TPMode.BOOST not in [layout_of(label).mode for label in modes]:
+        raise ValueError(f"--halves measures boost's layer; --modes {','.join(modes)} has no "
                          f"boost: add boost to --modes")
-    if specs[0].micro_batch % 2:
+    if micro_batch % 2:
         raise ValueError(f"--halves splits the micro-batch in two; micro-batch size "
-                         f"{specs[0].micro_batch} is odd: pass an even --micro-batch-size")
-
-
-def halves_lines(specs, profile: str) -> List[str]:
-    """boost's layer as built beside the two interleaved-halves schedules of
-    ``perf/halves.py``, priced from the ledger of half the micro-batch."""
-    import dataclasses
-
-    from megatron_boost.measure.ledger import layer_ledger
-    from megatron_boost.perf.halves import interleave_halves
-    from megatron_boost.perf.layer_time import layer_time, profile_costs, time_table
-
-    lines = []
-    for spec in specs:
-        if spec.layout.mode is not TPMode.BOOST:
-            continue
-        costs = profile_costs(profile, spec.layout.tp)
-        half = layer_ledger(dataclasses.replace(spec, micro_batch=spec.micro_batch // 2))
-        rows = [("boost as built", layer_time(layer_ledger(spec), costs)),
-                ("boost, halves: forward interleaved",
-                 layer_time(interleave_halves(half), costs)),
-                ("boost, halves: forward and backward interleaved",
-                 layer_time(interleave_halves(half, backward=True), costs))]
-        lines += ["", f"two halves of the micro-batch (B={spec.micro_batch // 2} each) "
-                  f"interleaved through the layer, priced from the half's ledger "
-                  f"(perf/halves.py; not built):", time_table(rows, profile)]
-        lines += [f"{label}: exposed forward {t.exposed['fwd'] * 1e3:.2f} ms, backward "
-                  f"{t.exposed['bwd'] * 1e3:.2f} ms, {t.launches} kernels" for label, t in rows]
-    return lines
+                         f"{micro_batch} is odd: pass an even --micro-batch-size")
 
 
 @one_line_errors
@@ -230,20 +207,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     cfg = load_run_config(args.config, args.overrides)
     dtype = args.dtype or ("fp32" if cfg.training.precision == "fp32" else "bf16")
+    micro_batch = args.micro_batch_size or cfg.training.micro_batch_size
+    if args.halves:
+        check_halves(args.modes, micro_batch)
     specs = ledger_specs(cfg, args.modes, args.tp or cfg.parallel.tp,
-                         args.micro_batch_size or cfg.training.micro_batch_size,
+                         micro_batch,
                          args.seq_length or cfg.model.seq_length, dtype,
                          args.chunks or cfg.parallel.bottleneck_overlap_chunks,
-                         None if args.recompute == "none" else args.recompute)
-    if args.halves:
-        check_halves(specs, args.modes)
+                         None if args.recompute == "none" else args.recompute, args.halves)
     ledgers = [layer_ledger(spec) for spec in specs]
     print(_header(specs[0], args.config))
     print(ledger_table(ledgers))
     print(_legend())
     print("\n".join(time_lines(ledgers, args.profile)))
-    if args.halves:
-        print("\n".join(halves_lines(specs, args.profile)))
     for ledger in ledgers:
         print("\n".join(_details(ledger)))
         if args.kernels:

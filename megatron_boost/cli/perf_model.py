@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--recompute", choices=RECOMPUTE)
     ap.add_argument("--distributed-optimizer", action="store_true", default=None)
     ap.add_argument("--modes", type=mode_list, default="full,naive,boost")
+    ap.add_argument("--halves", action="store_true",
+                    help="boost with parallel.interleave_halves (two halves of the micro-batch "
+                         "interleaved through each layer; an even --micro-batch-size)")
     ap.add_argument("--compare-published", action="store_true",
                     help="reproduce the BOOST authors' A100 table (built-in shapes)")
     ap.add_argument("--recommend", action="store_true",
@@ -93,6 +96,7 @@ def _setup(args) -> Dict:
         s[key] = getattr(args, flag) or s[key]
     if args.distributed_optimizer is not None:
         s["dist_opt"] = args.distributed_optimizer
+    s["halves"] = args.halves
     s["gpus"] = args.gpus or (s["tp"] * s["pp"] * (s["cfg_dp"] or 1))
     s["gb"] = args.global_batch_size or s["gb"]
     if not args.recommend:
@@ -138,6 +142,7 @@ def check_layouts(s: Dict, modes, config: Optional[str]) -> None:
         cfg.parallel.sequence_parallel = None  # each mode's default
         if mode is not TPMode.BOOST:
             cfg.parallel.bottleneck_overlap_chunks = 1
+        cfg.parallel.interleave_halves = s["halves"] and mode is TPMode.BOOST
         rc = _mode_recompute(s["rc"], mode)
         cfg.training.recompute = None if rc == "none" else rc
         try:
@@ -161,7 +166,8 @@ def _predictions(s: Dict, modes, hw, gpus_per_node) -> list:
         lay = Layout(mode=mode, tp=s["tp"], pp=s["pp"], dp=s["dp"], micro_batch=s["mb"],
                      global_batch=s["gb"], recompute=mrc, vpp=s["vpp"],
                      distributed_optimizer=s["dist_opt"], overlap_grad_reduce=s["overlap"],
-                     gpus_per_node=gpus_per_node)
+                     gpus_per_node=gpus_per_node,
+                     interleave_halves=s["halves"] and mode is TPMode.BOOST)
         pr = predict(s["shape"], lay, hw)
         print(format_prediction(pr))
         preds.append(pr.to_dict())

@@ -142,6 +142,7 @@ RESUME_CONTRACT: Dict[str, Rule] = {
     "parallel.sequence_parallel": Rule(MAY_CHANGE, _LAYOUT),
     "parallel.overlap_bottleneck_grad_reduce": Rule(MAY_CHANGE, _SPEED),
     "parallel.bottleneck_overlap_chunks": Rule(MAY_CHANGE, _SPEED),
+    "parallel.interleave_halves": Rule(MAY_CHANGE, _SPEED),
     "parallel.timeout_minutes": Rule(MAY_CHANGE, "how long a collective waits"),
     "training.micro_batch_size": Rule(MAY_CHANGE, _SPEED),
     "training.global_batch_size": Rule(MAY_CHANGE, "the batch from the resume point on"),

@@ -142,6 +142,13 @@ class ParallelConfig:
     GEMMs (docs/design.md §7); 1 issues one GEMM and one all-reduce. Outputs the same either
     way, weight gradients to fp32 rounding; the all-reduces per layer multiply by it, their
     bytes do not, and so do the groups' kernels. naive and full refuse > 1."""
+    interleave_halves: bool = False
+    """boost: run each decoder layer's forward as two halves of the micro-batch that hand over
+    at every forward all-reduce, so that each half's all-reduce travels beside the other half's
+    GEMMs and attention, and reduce each group's backward gradient where the other half's
+    backward hides it (docs/design.md §7). Every kernel runs twice on half the rows. Needs an
+    even training.micro_batch_size, tp > 1, bottleneck_overlap_chunks 1 and no CUDA graphs.
+    Outputs and gradients the same to fp32 rounding."""
     timeout_minutes: float = 30.0
     """Process-group timeout: a collective that waits longer (a rank died or stopped
     responding) ends the job with an error naming the unresponsive rank. Fractions allowed

@@ -138,6 +138,10 @@ class BoostTransformerConfig(TransformerConfig):
     GEMMs and all-reduces, forward and backward (``parallel.bottleneck_overlap_chunks``,
     ``parallel/pipeline.py``); 1: one of each."""
 
+    interleave_halves: bool = False
+    """boost: each layer's forward as two interleaved halves of the micro-batch
+    (``parallel.interleave_halves``, ``parallel/interleave.py``)."""
+
     lowrank_recompute: bool = False
     """Low-rank activation checkpointing (BOOST): per layer keep only the hidden-sharded input,
     the all-reduced bottleneck activations and the rms sums of squares; recompute the rest in

@@ -328,6 +328,7 @@ def _check_modes(cfg) -> None:
     check_cuda_graphs(t.cuda_graph_impl, t.recompute, t.device)
     _check_full_rank_fusion(cfg)
     _check_overlap_chunks(cfg)
+    _check_interleave_halves(cfg)
 
 
 def _check_full_rank_fusion(cfg) -> None:
@@ -348,6 +349,41 @@ def _check_overlap_chunks(cfg) -> None:
             f"parallel.bottleneck_overlap_chunks ({chunks}) needs parallel.mode=boost "
             f"(parallel.mode is {mode.value}): it pipelines boost's bottleneck all-reduces; "
             f"set it to 1")
+
+
+def _check_interleave_halves(cfg) -> None:
+    """parallel.interleave_halves splits boost's micro-batch in two around its forward
+    all-reduces (parallel/interleave.py): it needs them (boost, tp > 1), two equal halves, the
+    unchunked groups (the chunks' pipeline has its own overlap) and eager layers."""
+    if not cfg.parallel.interleave_halves:
+        return
+    mode, tp = TPMode.parse(cfg.parallel.mode), cfg.parallel.tp
+    mbs, chunks = cfg.training.micro_batch_size, cfg.parallel.bottleneck_overlap_chunks
+    rules = [
+        (mode is not TPMode.BOOST, f"needs parallel.mode=boost (it is {mode.value}): it hides "
+                                   f"boost's bottleneck all-reduces"),
+        (tp == 1, "needs parallel.tp > 1 (it is 1): there is no all-reduce to hide"),
+        (mbs % 2 == 1, f"splits training.micro_batch_size ({mbs}) into two equal halves; "
+                       f"make it even"),
+        (chunks > 1, f"and parallel.bottleneck_overlap_chunks ({chunks}) are two overlap "
+                     f"schedules; choose one (set the chunks to 1)"),
+        (cfg.training.cuda_graph_impl != "none",
+         f"runs eagerly; training.cuda_graph_impl ({cfg.training.cuda_graph_impl!r}) would "
+         f"capture one half's hand-overs; set it to none"),
+    ]
+    for broken, why in rules:
+        if broken:
+            raise ValueError(f"parallel.interleave_halves (true) {why}; or set "
+                             f"parallel.interleave_halves=false")
+    if _greenlet_missing():
+        raise ValueError("parallel.interleave_halves (true) needs the greenlet package (a "
+                         "dependency of megatron-boost): pip install greenlet")
+
+
+def _greenlet_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("greenlet") is None
 
 
 _OPTIMIZERS = ("adamw", "muon")

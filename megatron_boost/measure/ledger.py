@@ -225,6 +225,8 @@ class LedgerSpec:
     """The layer's recompute policy: None or 'lowrank' (the bottleneck modes' layer-level one)."""
     overlap_chunks: int = 1
     """``parallel.bottleneck_overlap_chunks`` (boost)."""
+    interleave_halves: bool = False
+    """``parallel.interleave_halves`` (boost): the layer runs two halves of the micro-batch."""
     bias_activation_fusion: Optional[bool] = None
     """Full rank's fused SwiGLU; None: as a CUDA run resolves it (on)."""
 
@@ -234,7 +236,9 @@ class LedgerSpec:
         fields = dataclasses.asdict(self)
         fields.update(mode=self.layout.mode, tp=self.layout.tp,
                       sequence_parallel=bool(self.layout.sequence_parallel))
-        return {name: fields[name] for name in _SPEC_JSON_ORDER}
+        # the halves only where on: the reports of the layers without them keep their form
+        names = _SPEC_JSON_ORDER + (("interleave_halves",) if self.interleave_halves else ())
+        return {name: fields[name] for name in names}
 
 
 #: The spec's keys in the JSON reports, in their published order.
@@ -263,6 +267,7 @@ def _run_config(spec: LedgerSpec):
     cfg.parallel.mode, cfg.parallel.tp = spec.layout.mode.value, spec.layout.tp
     cfg.parallel.sequence_parallel = bool(spec.layout.sequence_parallel)
     cfg.parallel.bottleneck_overlap_chunks = spec.overlap_chunks
+    cfg.parallel.interleave_halves = spec.interleave_halves
     cfg.training.micro_batch_size = spec.micro_batch
     cfg.training.global_batch_size = spec.micro_batch
     cfg.training.precision = spec.dtype
@@ -524,6 +529,8 @@ def spec_label(spec: Any) -> str:
         label += f" ({get('overlap_chunks')} chunks)"
     if get("recompute"):
         label += f" ({get('recompute')} recompute)"
+    if get("interleave_halves"):
+        label += " (halves)"
     return label
 
 

@@ -131,13 +131,21 @@ class Scopes:
     """The module scope of the operator now running, forward and backward."""
 
     def __init__(self, layer):
-        self.stack: List[str] = ["layer"]
+        # one stack per interleaved half (parallel/interleave.py), each a call stack of its own
+        self._stacks: Dict[Any, List[str]] = {}
         self.backward_scope = "layer"
         self._handles = []
         for name, module in layer.named_modules():
             scope = name or "layer"
             self._handles.append(module.register_forward_pre_hook(self._enter(scope)))
             self._handles.append(module.register_forward_hook(self._leave(scope)))
+
+    @property
+    def stack(self) -> List[str]:
+        """The module scopes entered by the running half (or the layer's caller)."""
+        from megatron_boost.parallel.interleave import current_half
+
+        return self._stacks.setdefault(current_half(), ["layer"])
 
     @property
     def current(self) -> str:

@@ -49,6 +49,7 @@ from megatron_boost.parallel.layers import (
     NaiveLinearProj,
     NaiveLinearQKV,
 )
+from megatron_boost.parallel.interleave import run_halves
 from megatron_boost.parallel.recompute import lowrank_checkpoint
 
 __all__ = ["get_layer_spec", "BottleneckTransformerLayer", "default_pg_collection", "te_norm",
@@ -81,20 +82,49 @@ def replicated_decoder_pgs(pgs: ProcessGroupCollection) -> ProcessGroupCollectio
 
 class BottleneckTransformerLayer(TransformerLayer):
     """megatron's TransformerLayer with optional low-rank activation checkpointing
-    (``config.lowrank_recompute``); otherwise unchanged."""
+    (``config.lowrank_recompute``) and optional interleaved halves of the micro-batch
+    (``config.interleave_halves``); otherwise unchanged."""
 
     def forward(self, *args, **kwargs):
-        if not (self.config.lowrank_recompute and self.training and torch.is_grad_enabled()):
-            return super().forward(*args, **kwargs)
         if args:
             hidden, args = args[0], args[1:]
         else:
             hidden = kwargs.pop("hidden_states")
+        training = self.training and torch.is_grad_enabled()
+        if training and self.config.interleave_halves and hidden.shape[1] % 2 == 0:
+            return self._forward_halves(hidden, args, kwargs)
+        return self._forward_whole(hidden, args, kwargs)
+
+    def _forward_whole(self, hidden, args, kwargs):
+        """megatron's forward, checkpointed by low-rank recompute when that is on."""
+        if not (self.config.lowrank_recompute and self.training and torch.is_grad_enabled()):
+            return super().forward(hidden, *args, **kwargs)
 
         def run(h):
             return super(BottleneckTransformerLayer, self).forward(h, *args, **kwargs)[0]
 
         return lowrank_checkpoint(run, hidden), None
+
+    def _forward_halves(self, hidden, args, kwargs):
+        """The forward on each half of the batch, interleaved at boost's forward all-reduces
+        (``parallel/interleave.py``); causal attention mixes no sequences, so the halves'
+        outputs side by side are the whole batch's."""
+        halves = [h.contiguous() for h in hidden.chunk(2, dim=1)]  # 2 x [s, b/2, d/t]
+        masks = _batch_halves(kwargs.get("attention_mask"), hidden.shape[1])
+
+        def run(i):
+            own = dict(kwargs, attention_mask=masks[i]) if "attention_mask" in kwargs else kwargs
+            return self._forward_whole(halves[i], args, own)[0]
+
+        return torch.cat(run_halves(run, [0, 1]), dim=1), None  # [s, b, d/t]
+
+
+def _batch_halves(mask, batch: int):
+    """An attention mask's rows of each half: split along its batch dimension when it has
+    one per sequence, else shared (None, or one mask broadcast over the batch)."""
+    if mask is None or mask.dim() < 1 or mask.shape[0] != batch or batch == 1:
+        return [mask, mask]
+    return list(mask.chunk(2, dim=0))
 
 
 def get_layer_spec(config: BoostTransformerConfig, tp_group) -> ModuleSpec:

@@ -25,14 +25,30 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from megatron.core.utils import get_pg_size
 
+from megatron_boost.parallel.interleave import hand_over, in_half
 from megatron_boost.parallel.online_rmsnorm import (bottleneck_input, bottleneck_input_backward,
                                                    statistic_rides_with_products,
                                                    sum_of_squares)
 from megatron_boost.parallel.recompute import active_log
 from megatron_boost.parallel.wgrad import accumulation_target, dummy_gradient, gemm_into
 
-__all__ = ["BottleneckActivation", "BottleneckGeometry", "down_project", "up_project",
-           "split_project"]
+__all__ = ["BottleneckActivation", "BottleneckGeometry", "GradientLink", "down_project",
+           "up_project", "split_project"]
+
+
+class GradientLink:
+    """A group's B side and A side in the backward of an interleaved half
+    (``parallel/interleave.py``): the B side starts the all-reduce of dP (and dΣx²) and leaves
+    it running; the A side waits for it before its GEMMs read dP. Between the two, autograd runs
+    the other half's nodes, which were created in between (docs/design.md §7)."""
+
+    def __init__(self):
+        self.handles: List = []
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+        self.handles = []
 
 
 @dataclass(frozen=True)
@@ -109,8 +125,15 @@ def _down_project_gemm_all_reduce(x: torch.Tensor, w: torch.Tensor, out: torch.T
     x2d = x.reshape(-1, x.shape[-1])  # [s·b, d_in/t]
     out2d = out.view(-1, out.shape[-1])  # [s·b, Σr (+1)]
     torch.mm(x2d, w.t(), out=out2d[:, :w.shape[0]])
-    if get_pg_size(group) > 1:
+    if get_pg_size(group) == 1:
+        return
+    if not in_half():
         torch.distributed.all_reduce(out2d, group=group)
+        return
+    # an interleaved half: the other half runs up to its own all-reduce meanwhile
+    handle = torch.distributed.all_reduce(out2d, group=group, async_op=True)
+    hand_over()
+    handle.wait()
 
 
 def _down_project_record(log, out: torch.Tensor, sumsq: Optional[torch.Tensor]) -> None:
@@ -148,8 +171,9 @@ class _DownProjectAllReduceFwd(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, group, with_statistic: bool, fuse_wgrad: bool):
-        ctx.with_statistic = with_statistic
+    def forward(ctx, x, w, group, with_statistic: bool, fuse_wgrad: bool,
+                link: Optional[GradientLink]):
+        ctx.with_statistic, ctx.link = with_statistic, link
         ctx.save_for_backward(x, w)
         # dW into W's main_grad (parallel/wgrad.py); the γ-scaled A has none (its fold does it)
         ctx.main_grad = accumulation_target(w, fuse_wgrad, x.dtype)
@@ -167,6 +191,8 @@ class _DownProjectAllReduceFwd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_products, d_sumsq=None):
         x, w = ctx.saved_tensors
+        if ctx.link is not None:  # an interleaved half's dP, reduced beside the other half
+            ctx.link.wait()
         g2d = d_products.reshape(-1, w.shape[0])  # [s·b, Σr]
         dx = torch.mm(g2d, w).view(x.shape)  # [s, b, d_in/t]
         if ctx.with_statistic and d_sumsq is not None:
@@ -174,19 +200,21 @@ class _DownProjectAllReduceFwd(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         if ctx.main_grad is not None:  # [Σr, d_in/t], accumulated in the GEMM
             gemm_into(ctx.main_grad, g2d.t(), x2d, accumulate=True)
-            return dx, dummy_gradient(w), None, None, None
-        return dx, torch.mm(g2d.t(), x2d), None, None, None  # dW [Σr, d_in/t]
+            return dx, dummy_gradient(w), None, None, None, None
+        return dx, torch.mm(g2d.t(), x2d), None, None, None, None  # dW [Σr, d_in/t]
 
 
 def down_project(x: torch.Tensor, w: torch.Tensor, group, with_statistic: bool = False,
-                 fuse_wgrad: bool = False):
+                 fuse_wgrad: bool = False, link: Optional[GradientLink] = None):
     """boost's A side: ONE GEMM of the group's (γ-scaled) A factors on the local shard x
     [s, b, d_in/t] and ONE all-reduce of the partial products (Σr wide; with the statistic
     Σr + 1, or Σr and an fp32 1 in bf16). ``fuse_wgrad``: dW accumulates in W's main_grad
-    (``parallel/wgrad.py``).
+    (``parallel/wgrad.py``). ``link``: the group's :class:`GradientLink` (an interleaved
+    half's backward waits on it). Inside an interleaved half the all-reduce is started and the
+    other half runs until it hands back (``parallel/interleave.py``).
     Returns P [s, b, Σr], or (P, Σx² [s, b, 1]) ``with_statistic``
     (:class:`_DownProjectAllReduceFwd`)."""
-    return _DownProjectAllReduceFwd.apply(x, w, group, with_statistic, fuse_wgrad)
+    return _DownProjectAllReduceFwd.apply(x, w, group, with_statistic, fuse_wgrad, link)
 
 
 # -- the B side: r -> d_out/t -------------------------------------------------------------------
@@ -256,8 +284,11 @@ class _UpProjectAllReduceBwd(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, products, sumsq, b, geometry: BottleneckGeometry):
+    def forward(ctx, products, sumsq, b, geometry: BottleneckGeometry,
+                link: Optional[GradientLink]):
         ctx.geometry = geometry
+        # an interleaved half reduces dP after σ' instead of dz before it (the A side waits)
+        ctx.link = link if reduces_after_activation(link) else None
         ctx.main_grad = accumulation_target(b, geometry.fuse_wgrad, products.dtype)
         z = geometry.activation.forward(products, sumsq)  # [s, b, Σr]
         ctx.save_for_backward(products, sumsq, z, b)
@@ -271,6 +302,8 @@ class _UpProjectAllReduceBwd(torch.autograd.Function):
         grads = [g.reshape(-1, g.shape[-1]) if g is not None
                  else z.new_zeros(z.numel() // z.shape[-1], n) for g, n in zip(grads, geo.rows)]
         dz = _up_project_dgrad(grads, b, geo.rows, geo.ranks, z)  # [s, b, Σr], partial
+        if ctx.link is not None:
+            return (*_reduce_after_activation(ctx, products, sumsq, dz, grads, z, b), None, None)
         handle = None
         if get_pg_size(geo.group) > 1:
             handle = torch.distributed.all_reduce(dz, group=geo.group, async_op=geo.overlap)
@@ -279,13 +312,34 @@ class _UpProjectAllReduceBwd(torch.autograd.Function):
         if handle is not None and geo.overlap:
             handle.wait()
         d_products, d_sumsq = geo.activation.backward(products, sumsq, dz)
-        return d_products, d_sumsq, db, None
+        return d_products, d_sumsq, db, None, None
+
+
+def reduces_after_activation(link: Optional[GradientLink]) -> bool:
+    """Whether a B side's backward leaves the all-reduce of dP to its A side: inside an
+    interleaved half, where autograd runs the other half's segment between the two."""
+    return link is not None and in_half()
+
+
+def _reduce_after_activation(ctx, products, sumsq, dz, grads, z, b):
+    """(dP, dΣx², dB) with dP and dΣx² all-reduced after σ' and the scale's gradient, left
+    running for the A side (``ctx.link``). Exact: σ' and the scale are linear in dz, with
+    coefficients every rank holds (P and Σx² are replicated after the forward all-reduce)."""
+    geo = ctx.geometry
+    d_products, d_sumsq = geo.activation.backward(products, sumsq, dz)  # partial sums
+    if get_pg_size(geo.group) > 1:
+        ctx.link.handles = [torch.distributed.all_reduce(t, group=geo.group, async_op=True)
+                            for t in (d_products, d_sumsq) if t is not None]
+    db = _up_project_wgrad(grads, z, b, geo.rows, geo.ranks, ctx.main_grad)
+    return d_products, d_sumsq, db
 
 
 def up_project(products: torch.Tensor, sumsq: Optional[torch.Tensor], b: torch.Tensor,
-               geometry: BottleneckGeometry) -> List[torch.Tensor]:
+               geometry: BottleneckGeometry, link: Optional[GradientLink] = None
+               ) -> List[torch.Tensor]:
     """boost's B side on the reduced products P [s, b, Σr] (and the statistic, with the fused
     norm): [s, b, out_p/t] per projection, from the grouped B factor [Σ out_p/t, r].
     fwd: no communication; bwd: all-reduce of dz (Σr), overlapped with the dB GEMMs when
-    ``geometry.overlap`` (:class:`_UpProjectAllReduceBwd`)."""
-    return list(_UpProjectAllReduceBwd.apply(products, sumsq, b, geometry))
+    ``geometry.overlap`` (:class:`_UpProjectAllReduceBwd`); inside an interleaved half, of
+    dP after σ', waited for by the A side through ``link``."""
+    return list(_UpProjectAllReduceBwd.apply(products, sumsq, b, geometry, link))

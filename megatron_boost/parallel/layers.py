@@ -53,7 +53,8 @@ from megatron_boost.config.shape import Projection
 from megatron_boost.config.transformer import (BoostTransformerConfig, get_bottleneck_activation,
                                                get_bottleneck_activation_grad, is_identity)
 from megatron_boost.parallel.bottleneck import (BottleneckActivation, BottleneckGeometry,
-                                                down_project, split_project, up_project)
+                                                GradientLink, down_project, split_project,
+                                                up_project)
 from megatron_boost.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_forward
 from megatron_boost.parallel.online_rmsnorm import autograd_activation_grad, fold_norm_weight
 from megatron_boost.parallel.pipeline import PipelinePlan, pipelined_bottleneck
@@ -354,10 +355,12 @@ class BoostBottleneckGroup(BottleneckGroup):
         # all-reduce of the partial products; fwd AR(Σr (+1)), bwd identity (then the GEMMs'
         # backward). Low-rank activation checkpointing serves both from its log, inside
         # down_project (docs/design.md §7).
-        reduced = down_project(x_in, w, self.tp_group, with_statistic, geometry.fuse_wgrad)
+        # An interleaved half's backward reduces dP after σ' and waits in the A side (link).
+        link = GradientLink()
+        reduced = down_project(x_in, w, self.tp_group, with_statistic, geometry.fuse_wgrad, link)
         products, sumsq = reduced if with_statistic else (reduced, None)
         # scale and σ, then the B factors; bwd: AR(Σr) of dz, overlapped with dB.
-        return self.outputs(up_project(products, sumsq, self.B, geometry))
+        return self.outputs(up_project(products, sumsq, self.B, geometry, link))
 
     def _geometry(self) -> BottleneckGeometry:
         """The group's B side besides its tensors (``parallel/bottleneck.py``)."""

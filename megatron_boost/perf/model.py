@@ -102,10 +102,13 @@ class Layout(ParallelLayout):
     overlap_grad_reduce: bool = True
     gpus_per_node: Optional[int] = None  # None: the hardware default
     overlap_chunks: int = 1  # boost: parallel.bottleneck_overlap_chunks
+    interleave_halves: bool = False  # boost: parallel.interleave_halves
 
     def to_dict(self) -> dict:
-        """The fields in the order the JSON reports have always listed them."""
-        return {name: getattr(self, name) for name in _LAYOUT_JSON_ORDER}
+        """The fields in the order the JSON reports have always listed them (the halves only
+        where on)."""
+        names = _LAYOUT_JSON_ORDER + (("interleave_halves",) if self.interleave_halves else ())
+        return {name: getattr(self, name) for name in names}
 
     @property
     def gpus(self) -> int:
@@ -181,10 +184,11 @@ def _local_params(gemms: List[Gemm]) -> float:
 
 
 def layer_work(shape: ModelShape, mode: str, t: int, sequence_parallel: bool = False,
-               micro_batch: int = 1, overlap_chunks: int = 1) -> LayerWork:
+               micro_batch: int = 1, overlap_chunks: int = 1,
+               interleave_halves: bool = False) -> LayerWork:
     """GEMMs, collectives, parameters and the op ledger of one decoder layer on one GPU of a
     TP group of ``t`` (docs/design.md §2, §17); sequence parallelism applies to full mode
-    only, the pipelined all-reduce (``overlap_chunks``) to boost only. Full rank keeps its two
+    only, the pipelined all-reduce (``overlap_chunks``) and the interleaved halves to boost only. Full rank keeps its two
     norm weights whole (d each, or with sequence parallelism too), boost its γ sharded (d/t),
     naive replicated."""
     mode = check_mode(mode)
@@ -195,7 +199,8 @@ def layer_work(shape: ModelShape, mode: str, t: int, sequence_parallel: bool = F
     heads = shape.heads / t if Dim.D_OUT in split_dims(mode, Group.QKV) else shape.heads
     spec = LedgerSpec(shape=shape, layout=ParallelLayout(mode=mode, tp=t, sequence_parallel=sp),
                       micro_batch=micro_batch, seq_length=shape.seq_length, dtype="bf16",
-                      overlap_chunks=overlap_chunks if mode is TPMode.BOOST else 1)
+                      overlap_chunks=overlap_chunks if mode is TPMode.BOOST else 1,
+                      interleave_halves=interleave_halves and mode is TPMode.BOOST)
     return LayerWork(gemms=gemms, attn_heads=heads,
                      collectives=tp_collectives(shape, mode, dtype="bf16",
                                                 sequence_parallel=sp),
@@ -284,7 +289,7 @@ class _Setting:
         d, sp = shape.hidden, layout.resolved_sequence_parallel
         return cls(shape=shape, layout=layout, hw=hw,
                    work=layer_work(shape, layout.mode, t, sp, layout.micro_batch,
-                                   layout.overlap_chunks),
+                                   layout.overlap_chunks, layout.interleave_halves),
                    n=layout.micro_batch * shape.seq_length, m=layout.num_micro_batches,
                    d_loc=local_numel(layout.mode, Tensor.STREAM, d, t, sequence_parallel=sp),
                    sp=sp,
