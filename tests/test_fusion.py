@@ -41,7 +41,7 @@ def _cases():
         "sum_of_squares": (x,),
         "_scaled_weight": (a, gamma),
         "_scaled_weight_backward": (rand(R, D), a, gamma),
-        "_norm_weight_gradient": (rand(R, D), a, gamma),
+        "_accumulate_scaled_weight_backward": (torch.zeros(R, D), rand(R, D), a, gamma),
         "scale_and_activate": (products, sumsq, D * 4, 1e-6, silu),
         "scale_and_activate_backward": (products, sumsq, dz, D * 4, 1e-6, silu_grad),
         "activate": (products, silu),

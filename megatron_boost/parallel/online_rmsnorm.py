@@ -64,21 +64,25 @@ def _scaled_weight(a: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
 def _scaled_weight_backward(grad: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor
                             ) -> Tuple[torch.Tensor, torch.Tensor]:
     # d(A ⊙ γ)/dA = γ, d/dγ = Σ_rows A (fp32 accumulation, as torch's sum of a bf16 tensor)
-    return grad * gamma, _norm_weight_gradient.eager(grad, a, gamma)
+    return grad * gamma, (grad.float() * a.float()).sum(dim=0).to(gamma.dtype)
 
 
 @fused_region
-def _norm_weight_gradient(grad: torch.Tensor, a: torch.Tensor, gamma: torch.Tensor
-                          ) -> torch.Tensor:
-    """dγ = Σ_rows dW ⊙ A alone (when dA goes straight into A's main_grad)."""
-    return (grad.float() * a.float()).sum(dim=0).to(gamma.dtype)
+def _accumulate_scaled_weight_backward(main_grad: torch.Tensor, grad: torch.Tensor,
+                                       a: torch.Tensor, gamma: torch.Tensor
+                                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A.main_grad += dW ⊙ γ in place and dγ = Σ_rows dW ⊙ A, in ONE pass over dW (the
+    gradient accumulation fusion's form of :func:`_scaled_weight_backward`). Returns
+    (main_grad, dγ): the accumulator too, so that what the kernel writes is its result."""
+    main_grad.addcmul_(grad, gamma)
+    return main_grad, (grad.float() * a.float()).sum(dim=0).to(gamma.dtype)
 
 
 class _FoldNormWeight(torch.autograd.Function):
     """W = A ⊙ γ: the norm's weight folded into the A factor ([Σr, d/t], weight-sized).
     fwd: one kernel; bwd: dA = dW ⊙ γ and dγ = Σ_rows dW ⊙ A in one kernel, or, with the
     gradient accumulation fusion (``parallel/wgrad.py``), A.main_grad += dW ⊙ γ in place (no
-    dA tensor, nothing for DDP's hook to add) and dγ apart."""
+    dA tensor, nothing for DDP's hook to add) and dγ in the same kernel."""
 
     @staticmethod
     def forward(ctx, a, gamma, fuse_wgrad: bool):
@@ -93,8 +97,8 @@ class _FoldNormWeight(torch.autograd.Function):
         a, gamma = ctx.saved_tensors
         if ctx.main_grad is None:
             return (*_scaled_weight_backward(grad, a, gamma), None)
-        ctx.main_grad.addcmul_(grad, gamma)
-        return dummy_gradient(a), _norm_weight_gradient(grad, a, gamma), None
+        _, d_gamma = _accumulate_scaled_weight_backward(ctx.main_grad, grad, a, gamma)
+        return dummy_gradient(a), d_gamma, None
 
 
 def fold_norm_weight(a: torch.Tensor, gamma: torch.Tensor, fuse_wgrad: bool = False
