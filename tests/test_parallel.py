@@ -75,6 +75,13 @@ LAYOUTS = [
     ("naive-tp2-dp2-distopt", 4, L("naive", tp=2, use_distributed_optimizer=True)),
     ("full-tp2-dp2-distopt", 4, L("full", tp=2, use_distributed_optimizer=True)),
     ("boost-dp2-distopt", 2, L("boost", use_distributed_optimizer=True)),
+    # Two interleaved halves of each micro-batch (parallel.interleave_halves), alone and with
+    # a pipeline, data parallelism, the distributed optimizer and the overlapped reduction.
+    ("boost-tp2-halves", 2, L("boost", tp=2, interleave_halves=True)),
+    ("boost-tp2-pp2-halves", 4, L("boost", tp=2, pp=2, interleave_halves=True)),
+    ("boost-tp2-dp2-halves-distopt-overlap", 4,
+     L("boost", tp=2, interleave_halves=True, use_distributed_optimizer=True,
+       overlap_grad_reduce=True)),
     # Tied embeddings: TP (boost's reduce-scatter lookup), PP (megatron's embedding-group
     # gradient all-reduce between the first and the last stage) and both, against the
     # one-process tied model.

@@ -63,6 +63,9 @@ class LayoutSpec:
     result never reaches the model (a dropped collective, without a hang)."""
     optimizer: Dict = field(default_factory=dict)
     """Overrides of the optimizer section (OptimizerConfig field names), e.g. name: muon."""
+    interleave_halves: bool = False
+    """``parallel.interleave_halves`` (boost, tp > 1): each layer as two interleaved halves of
+    the micro-batch."""
 
 
 def layout_run_config(spec: LayoutSpec):
@@ -81,6 +84,7 @@ def layout_run_config(spec: LayoutSpec):
     cfg.parallel.overlap_grad_reduce = spec.overlap_grad_reduce
     cfg.parallel.sequence_parallel = layout.sequence_parallel
     cfg.parallel.use_distributed_optimizer = spec.use_distributed_optimizer
+    cfg.parallel.interleave_halves = spec.interleave_halves
     cfg.training.seed = spec.seed
     cfg.training.precision = "fp32"  # the tolerances are fp32's, on the GPU too
     cfg.training.micro_batch_size = spec.micro_batch_size
