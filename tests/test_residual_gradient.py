@@ -7,10 +7,11 @@ output gradient is the second call's input gradient, as between two layers of a 
 in-place path; the second call's comes from outside: the copied path), forward and backward
 with the same output gradient, once as built and once with megatron's plain slots put back
 (``IdentityOp`` norms, ``get_bias_dropout_add``): today's path. For c = 1, c = 2
-(``bottleneck_overlap_chunks``, ``parallel/pipeline.py``) and low-rank recompute, it compares the output, dx and every weight-gradient shard, and counts the adds of an
+(``bottleneck_overlap_chunks``, ``parallel/pipeline.py``) and low-rank recompute, it compares
+the output, dx and every weight-gradient shard, and counts the adds and copies of an
 [s, b, d/t] tensor that the backward runs (a ``TorchDispatchMode``).
 
-Tolerance (fp32): relative 1e-5 of the larger magnitude, the layer tests' bound
+Tolerance (fp32): 1e-5 of the plain path's largest magnitude, the layer tests' bound
 (docs/design.md §11). The fusion changes the order of one sum per A side, (dP·W + 2·x·dΣx²) +
 d_res to (d_res + dP·W) + 2·x·dΣx²: a rounding of ~2^-24 relative at that dx, carried into the
 attention half's gradients through a few GEMMs and the norms (~1e-6); a dropped or doubled
