@@ -86,11 +86,13 @@ def test_boost_at_the_paper_7b_shapes_keeps_this_rounds_targets():
     no layout copy outside the attention core and RoPE, no fp32 [s, b, w > 1] kept for
     backward, at most 3.0 GB of element-wise and copy traffic (besides flash attention's dQ
     accumulator passes and the gradients' accumulation into main_grad, wherever it runs),
-    1.0 GiB of saved activations, and 76 kernels forward and backward WITH the gradients'
+    1.0 GiB of saved activations, and 75 kernels forward and backward WITH the gradients'
     accumulation: the factors accumulate in their weight-gradient GEMMs (parallel/wgrad.py),
     so DDP's hook adds only the two norm weights, and the fused norm's γ-scaled A factors add
     in place (two kernels); before that 72 + 10 DDP adds = 82. Attention backward counts as
-    flash attention launches it (three kernels; measure/kernel_models.py). Before the lean
+    flash attention launches it (three kernels; measure/kernel_models.py); 76 before the
+    residual's gradient was added in the A sides' dgrad GEMMs (parallel/residual.py: 74 for a
+    layer inside the decoder, the ledger's). Before the lean
     round: 12 copies, 0.31 GiB of fp32 products kept, 11.7 GB, 1.46 GiB, 130 kernels:
     docs/results/layer-ops-paper-7b-before.json."""
     ledger = layer_ledger(LedgerSpec(shape=PAPER_7B, layout=Layout(mode="boost", tp=4),
@@ -105,7 +107,7 @@ def test_boost_at_the_paper_7b_shapes_keeps_this_rounds_targets():
     assert ledger.traffic() - flash - accumulation <= 3.0e9
     assert ledger.saved_bytes <= 2 ** 30
     assert len(ledger.ddp_accumulation()) == 2  # the norm weights only
-    assert ledger.count() <= 76
+    assert ledger.count() <= 75
 
 
 def test_a_concatenation_put_back_is_a_copy(monkeypatch):

@@ -44,6 +44,11 @@ own GEMM and set ``grad_added_to_main_grad`` (megatron's linears with
 ``gradient_accumulation_fusion``, apex's wgrad GEMM stood in for), so the count follows the
 layer's code.
 
+**The output gradient** is handed in as the next layer's input gradient (boost: the next
+layer's residual tap, ``parallel/residual.py``): the ledger is a layer inside the decoder, whose
+residual gradient its A sides' dgrad GEMMs add; the last layer's, from the final norm, is copied
+once first (one more kernel).
+
 **Saved activations.** The bytes of the storages autograd keeps for backward
 (``measure/memory.py``, parameters excluded), with the module that saved each, and the fp32
 ones wider than one value per token listed apart.
@@ -368,6 +373,25 @@ def _collective_entries(kernels: List[Kernel], log) -> List[CollectiveEntry]:
     return out
 
 
+def _previous_layer_output(x):
+    """x as a layer inside the decoder receives it: the previous layer's output, whose gradient
+    that layer takes on (boost: adds in place, ``parallel/residual.py``), not a leaf's ``.grad``
+    (which autograd copies where another holds the buffer: the ledger's output gradient, which
+    boost's residual gradient carries down to the input)."""
+    import torch
+
+    class PreviousLayer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    return PreviousLayer.apply(x)
+
+
 def _fp32_wide(saved, tokens: int) -> List[Dict[str, Any]]:
     """The fp32 activations [s, b, w > 1] or [s·b, w > 1] saved (one value per token, like
     1/rms, is not; nor RoPE's frequencies [s, 1, 1, e], one row per position)."""
@@ -391,12 +415,13 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
     from megatron_boost.measure.grad_accumulation import ddp_grad_accumulation
     from megatron_boost.measure.memory import SavedActivations
     from megatron_boost.parallel.fusion import observe_regions
+    from megatron_boost.parallel.residual import as_next_layer_input
 
     with _fake_tp_group(spec.layout.tp) as tp_group, FakeTensorMode(allow_non_fake_inputs=True), \
             cuda_kernel_models():  # before the build: megatron's linears check apex's kernel
         layer, rope, config = _build(spec)
-        x = torch.empty(layer_input_shape(spec), dtype=config.params_dtype,
-                        requires_grad=True)
+        x = _previous_layer_output(torch.empty(layer_input_shape(spec),
+                                               dtype=config.params_dtype, requires_grad=True))
         freqs = rope(spec.seq_length)  # [s, 1, 1, e], as GPTModel hands it to its layers
         scopes = Scopes(layer)
         recorder = recorder_class()(scopes)
@@ -406,6 +431,9 @@ def ledger_in_process(spec: LedgerSpec) -> LayerLedger:
                                   label=lambda: scopes.current) as saved, recorder:
                 out = layer(x, attention_mask=None, rotary_pos_emb=freqs)[0]
                 scopes.close(out)
+            # a layer inside the decoder: its output's gradient is the next layer's input
+            # gradient (boost: a buffer its bda may accumulate into, parallel/residual.py)
+            out = as_next_layer_input(out)
             grad = torch.empty_like(out)
             with recorder:
                 out.backward(grad)

@@ -7,7 +7,9 @@ decoder group of the naive mode.
          decoder is built with a one-rank "TP" group (:func:`replicated_decoder_pgs`) and the
          bottlenecks receive the real TP group from the spec.
 * boost: BoostLinearQKV / BoostLinearFC1 (fused online-RMSNorm, docs/design.md §3) and
-         BoostLinearProj / BoostLinearFC2; IdentityOp for input_layernorm / pre_mlp_layernorm.
+         BoostLinearProj / BoostLinearFC2; ResidualTap (an IdentityOp) for input_layernorm /
+         pre_mlp_layernorm and residual_bias_dropout_add for the bda slots: the residual's
+         gradient added in the A side's dgrad GEMM (parallel/residual.py).
 
 In both bottleneck modes the attention and the MLP are ``BottleneckSelfAttention`` and
 ``BottleneckMLP`` (``model/blocks.py``), which take q, k, v and gate, up as the groups return
@@ -29,7 +31,6 @@ import copy
 import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -51,6 +52,7 @@ from megatron_boost.parallel.layers import (
 )
 from megatron_boost.parallel.interleave import run_halves
 from megatron_boost.parallel.recompute import lowrank_checkpoint
+from megatron_boost.parallel.residual import ResidualTap, residual_bias_dropout_add
 
 __all__ = ["get_layer_spec", "BottleneckTransformerLayer", "default_pg_collection", "te_norm",
            "replicated_decoder_pgs"]
@@ -221,8 +223,11 @@ def _boost_slots(spec: ModuleSpec) -> None:
     attn.linear_proj = BoostLinearProj
     mlp.linear_fc1 = BoostLinearFC1
     mlp.linear_fc2 = BoostLinearFC2
-    sub.input_layernorm = IdentityOp
-    sub.pre_mlp_layernorm = IdentityOp
+    # The norm slots mark the residual branch point and the bda slots hand the residual's
+    # gradient to the A side's dgrad GEMM (parallel/residual.py).
+    sub.input_layernorm = ResidualTap
+    sub.pre_mlp_layernorm = ResidualTap
+    sub.self_attn_bda = sub.mlp_bda = residual_bias_dropout_add
     # The fused norm weights are already named like megatron's canonical (TE-style) keys,
     # self_attention.linear_qkv.layer_norm_weight and mlp.linear_fc1.layer_norm_weight, to which
     # the local spec maps its separate norms: the same checkpoint keys in every mode

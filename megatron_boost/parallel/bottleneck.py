@@ -30,6 +30,7 @@ from megatron_boost.parallel.online_rmsnorm import (bottleneck_input, bottleneck
                                                    statistic_rides_with_products,
                                                    sum_of_squares)
 from megatron_boost.parallel.recompute import active_log
+from megatron_boost.parallel.residual import residual_slot_of, take_residual_gradient
 from megatron_boost.parallel.wgrad import accumulation_target, dummy_gradient, gemm_into
 
 __all__ = ["BottleneckActivation", "BottleneckGeometry", "GradientLink", "down_project",
@@ -160,6 +161,18 @@ def _down_project_result(out: torch.Tensor, n: int, sumsq: Optional[torch.Tensor
     return products if sumsq is None else (products, sumsq)
 
 
+def _down_project_dgrad(g2d: torch.Tensor, w: torch.Tensor, x: torch.Tensor,
+                        residual_slot) -> torch.Tensor:
+    """dx = dP·W [s, b, d_in/t]; with the residual's gradient (``parallel/residual.py``)
+    dx = d_res + dP·W, accumulated in the GEMM (beta = 1) into d_res's buffer: no separate add.
+    In place: only the A side reads d_res from here on (the branch's backward is done)."""
+    d_res = take_residual_gradient(residual_slot, x)
+    if d_res is None:
+        return torch.mm(g2d, w).view(x.shape)
+    d_res.view(-1, w.shape[1]).addmm_(g2d, w)  # [s·b, d_in/t] += [s·b, Σr]·[Σr, d_in/t]
+    return d_res
+
+
 class _DownProjectAllReduceFwd(torch.autograd.Function):
     """boost's A side: P = Σ_ranks x_k · W_kᵀ, and with the fused norm the fp32 statistic
     Σ_ranks Σ x_k² (docs/design.md §3).
@@ -167,7 +180,8 @@ class _DownProjectAllReduceFwd(torch.autograd.Function):
     fwd: the GEMM into the buffer (:func:`_down_project_buffer`), the all-reduce of the buffer
          in place; in a low-rank recompute the recorded results, no GEMM, no collective.
     bwd: no communication (the reduction's backward is the identity): dx = dP·W (+ 2·x·dΣx²,
-         one kernel), dW = dPᵀ·x.
+         one kernel), dW = dPᵀ·x. When x is a residual tap's output (qkv, fc1), the GEMM
+         accumulates into the residual's gradient (``parallel/residual.py``).
     """
 
     @staticmethod
@@ -177,6 +191,7 @@ class _DownProjectAllReduceFwd(torch.autograd.Function):
         ctx.save_for_backward(x, w)
         # dW into W's main_grad (parallel/wgrad.py); the γ-scaled A has none (its fold does it)
         ctx.main_grad = accumulation_target(w, fuse_wgrad, x.dtype)
+        ctx.residual_slot = residual_slot_of(x)
         log = active_log() if get_pg_size(group) > 1 else None
         if log is not None and log.replaying:
             return _down_project_replayed(log, w.shape[0], x.dtype, with_statistic)
@@ -194,7 +209,7 @@ class _DownProjectAllReduceFwd(torch.autograd.Function):
         if ctx.link is not None:  # an interleaved half's dP, reduced beside the other half
             ctx.link.wait()
         g2d = d_products.reshape(-1, w.shape[0])  # [s·b, Σr]
-        dx = torch.mm(g2d, w).view(x.shape)  # [s, b, d_in/t]
+        dx = _down_project_dgrad(g2d, w, x, ctx.residual_slot)  # [s, b, d_in/t]
         if ctx.with_statistic and d_sumsq is not None:
             dx.addcmul_(x, d_sumsq, value=2.0)  # + d(Σx²)/dx, in the same buffer
         x2d = x.reshape(-1, x.shape[-1])

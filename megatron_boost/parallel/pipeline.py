@@ -38,6 +38,7 @@ from megatron.core.utils import get_pg_size
 from megatron_boost.parallel.bottleneck import BottleneckActivation, BottleneckGeometry
 from megatron_boost.parallel.online_rmsnorm import statistic_rides_with_products, sum_of_squares
 from megatron_boost.parallel.recompute import active_log
+from megatron_boost.parallel.residual import residual_slot_of, take_residual_gradient
 from megatron_boost.parallel.wgrad import accumulation_target, dummy_gradient, gemm_into
 
 __all__ = ["PipelinePlan", "row_blocks", "pipelined_bottleneck"]
@@ -185,6 +186,7 @@ class _PipelinedBottleneck(torch.autograd.Function):
             if plan.with_statistic and not statistic_rides_with_products(x.dtype):
                 log.record(sumsq)
         ctx.plan, ctx.blocks = plan, blocks
+        ctx.residual_slot = residual_slot_of(x)  # dx accumulates into d_res (parallel/residual.py)
         ctx.main_grads = (accumulation_target(w, plan.geometry.fuse_wgrad, x.dtype),
                           accumulation_target(b, plan.geometry.fuse_wgrad, x.dtype))
         ctx.save_for_backward(x, w, b, out, sumsq, *zs)
@@ -198,8 +200,9 @@ class _PipelinedBottleneck(torch.autograd.Function):
         # [s·b, out_p/t] each; an unused output gets no gradient: treat it as zero
         grads = [g.reshape(-1, g.shape[-1]) if g is not None else b.new_zeros(rows, n)
                  for g, n in zip(grads, plan.rows)]
+        d_res = take_residual_gradient(ctx.residual_slot, x)  # [s, b, d_in/t] or None
         dx, dw, db = _backward_blocks(x.reshape(-1, x.shape[-1]), w, b, out, sumsq, zs,
-                                      grads, ctx.blocks, plan, ctx.main_grads)
+                                      grads, ctx.blocks, plan, ctx.main_grads, d_res)
         # a factor whose gradient went into its main_grad returns the dummy (parallel/wgrad.py)
         dw, db = [dummy_gradient(p) if mg is not None else d
                   for p, mg, d in zip((w, b), ctx.main_grads, (dw, db))]
@@ -233,26 +236,31 @@ def _db_block(grads, z, db, block: Block, plan: PipelinePlan, accumulate: bool) 
 
 
 def _a_backward_block(x2d, w, out, sumsq, dz, dx, dw, block: Block, plan: PipelinePlan,
-                      accumulate: bool) -> None:
+                      accumulate: bool, into_dx: bool) -> None:
     """σ' (and the norm's scale) of one block, then dx[block] = dP·W (+ 2·x·dΣx²) and
-    dW += dPᵀ·x[block]."""
+    dW += dPᵀ·x[block]; ``into_dx``: dx[block] holds the residual's gradient, which the GEMM
+    adds to (beta = 1)."""
     first, end = block
     n = w.shape[0]
     d_products, d_sumsq = plan.activation.backward(
         out[first:end, :n], None if sumsq is None else sumsq[first:end], dz[first:end])
-    torch.mm(d_products, w, out=dx[first:end])
+    if into_dx:
+        dx[first:end].addmm_(d_products, w)  # a row block: contiguous
+    else:
+        torch.mm(d_products, w, out=dx[first:end])
     if d_sumsq is not None:
         dx[first:end].addcmul_(x2d[first:end], d_sumsq, value=2.0)
     gemm_into(dw, d_products.t(), x2d[first:end], accumulate)
 
 
 def _backward_blocks(x2d, w, b, out, sumsq, zs, grads, blocks: List[Block],
-                     plan: PipelinePlan, main_grads):
-    """The backward pipeline (module docstring). Returns (dx, dW, dB), dx [s·b, d_in/t]; dW and
-    dB are the factors' main_grad, accumulated into from the first block, where
-    ``main_grads`` names them (else fresh, accumulated into after the first block)."""
+                     plan: PipelinePlan, main_grads, d_res: Optional[torch.Tensor]):
+    """The backward pipeline (module docstring). Returns (dx, dW, dB), dx [s·b, d_in/t]
+    (accumulated into ``d_res``, the residual's gradient, where there is one); dW and dB are
+    the factors' main_grad, accumulated into from the first block, where ``main_grads`` names
+    them (else fresh, accumulated into after the first block)."""
     dz = x2d.new_empty(x2d.shape[0], w.shape[0])  # [s·b, Σr], partial until reduced
-    dx = torch.empty_like(x2d)
+    dx = torch.empty_like(x2d) if d_res is None else d_res.view_as(x2d)  # [s·b, d_in/t]
     dw, db = [mg if mg is not None else torch.empty_like(p) for p, mg in zip((w, b), main_grads)]
     into_w, into_b = (mg is not None for mg in main_grads)
     pending = None
@@ -266,7 +274,7 @@ def _backward_blocks(x2d, w, b, out, sumsq, zs, grads, blocks: List[Block],
             if pending[1] is not None and plan.geometry.overlap:
                 pending[1].wait()
             _a_backward_block(x2d, w, out, sumsq, dz, dx, dw, pending[0], plan,
-                              accumulate=into_w or i > 1)
+                              accumulate=into_w or i > 1, into_dx=d_res is not None)
         pending = None if block is None else (block, handle)
     return dx, dw, db
 

@@ -1,0 +1,188 @@
+"""The residual stream's gradient added in the A side's dgrad GEMM (docs/design.md §3).
+
+In a boost layer the stream x feeds two consumers: the normed group's A side (qkv, fc1:
+``down_project``, which holds the fused norm) and megatron's residual (``residual =
+hidden_states``, added back by the ``self_attn_bda`` / ``mlp_bda`` slot). Left to autograd, the
+A side's backward writes dx = dP·W (GEMM), adds the norm's term (one pass), and autograd's input
+buffer then adds the residual's gradient (another kernel, another pass over [s, b, d/t]).
+Here the A side starts from the residual's gradient instead: dx = (d_res + dP·W) in the GEMM's
+epilogue (beta = 1, in place), then the norm's term; the residual hands autograd no gradient.
+
+Both ends are layer-spec slots boost owns (``model/specs.py``), megatron's layer forward is
+untouched:
+
+* :class:`ResidualTap`, in the ``input_layernorm`` / ``pre_mlp_layernorm`` slots (an
+  ``IdentityOp`` before): returns x through :class:`_ResidualTap`, whose node holds a
+  :class:`ResidualSlot` made for this call; the slot also travels on x itself (the tensor that
+  megatron keeps as ``residual``), where the bda finds it and takes it off again.
+* :func:`residual_bias_dropout_add`, in the bda slots: megatron's own bias-dropout-add on the
+  DETACHED residual, its output routed through :class:`_ResidualOut`, whose backward puts
+  dL/d(out) (the residual's gradient: the residual is added last) into the slot.
+* the A side finds the slot from its input's autograd node (:func:`residual_slot_of`) and takes
+  the gradient in its backward (:func:`take_residual_gradient`).
+
+Per call, never per module: the slot lives on the autograd nodes and on that call's tensor, so
+two micro-batches in flight (pipeline parallelism) and a low-rank recompute (a fresh forward
+on a fresh input, ``parallel/recompute.py``) each get their own, and no module attribute changes
+from call to call (``tests/test_cuda_graph_ready.py``).
+
+Order: the bda's node lies upstream of the whole sub-block's backward (its output's gradient is
+what the attention / MLP branch back-propagates), so the slot is filled before the A side's
+backward runs, and the tap's backward runs after its consumer, the A side.
+
+In-place safety. The A side accumulates INTO the residual's gradient only when that tensor is
+the very one the next tap returned (checked by identity, :class:`_ResidualOut`): the gradient
+the A side of the next group produced, which nobody else holds. The bda hands the same tensor on
+to its branch (bias, dropout and the attention / MLP output read it), but all of that backward
+has finished before the A side's runs. A gradient from outside the layers (the final norm's,
+a test's, megatron's pipeline receive buffer, a checkpointed layer's) is copied first, so the
+GEMM still accumulates in its epilogue and the values are bitwise those of the in-place path.
+Where no A side takes the gradient (the plain RMSNorm at TP=1, or a residual of another dtype),
+the tap adds it, as autograd's input buffer did.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.identity_op import IdentityOp
+
+__all__ = ["ResidualSlot", "ResidualTap", "as_next_layer_input", "residual_bias_dropout_add",
+           "residual_slot_of", "take_residual_gradient"]
+
+_SLOT_ATTRIBUTE = "_boost_residual_slot"
+"""The attribute the tap puts on its input (megatron's ``residual``) for the bda to find."""
+
+
+class ResidualSlot:
+    """One call's residual gradient, from the bda's backward to the A side's."""
+
+    __slots__ = ("gradient", "writable", "returned")
+
+    def __init__(self):
+        self.gradient: Optional[torch.Tensor] = None
+        self.writable = False
+        self.returned: Optional[weakref.ref] = None
+        """The gradient the tap returned (its input's): one the next bda may write into. A
+        weak reference: a strong one would keep autograd from taking it over as a leaf's
+        ``.grad`` (it would copy it instead)."""
+
+    def take(self):
+        """(gradient, writable), once; (None, False) when there is none (left)."""
+        gradient, writable = self.gradient, self.writable
+        self.gradient, self.writable = None, False
+        return gradient, writable
+
+
+class _ResidualTap(torch.autograd.Function):
+    """fwd: x unchanged (an alias), the call's slot kept on the node.
+    bwd: the consumers' gradient, plus the residual's where no A side took it."""
+
+    @staticmethod
+    def forward(ctx, x, slot):
+        ctx.residual_slot = slot
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        slot = ctx.residual_slot
+        pending, _ = slot.take()
+        if pending is not None:  # no A side accumulated it: autograd's own add
+            grad = grad + pending
+        slot.returned = weakref.ref(grad)
+        return grad, None
+
+
+class _ResidualOut(torch.autograd.Function):
+    """fwd: the bda's output unchanged (computed on the detached residual).
+    bwd: its gradient, which is also the residual's, into the slot, and on to the branch."""
+
+    @staticmethod
+    def forward(ctx, out, slot):
+        ctx.residual_slot = slot
+        ctx.source_slot = None  # set by the tap that reads this output (_link_source)
+        # not a view: megatron's layer returns a viewless output (make_viewless_tensor), which
+        # must stay this node's for the next layer's tap to find it
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        source = ctx.source_slot
+        # writable only if it is the tensor the next tap returned: ours, held by nobody else
+        ctx.residual_slot.gradient = grad
+        ctx.residual_slot.writable = (source is not None and source.returned is not None
+                                      and source.returned() is grad)
+        return grad, None
+
+
+def _link_source(x: torch.Tensor, slot: ResidualSlot) -> None:
+    """When x is a boost bda's output, its node learns which tap's gradient it will receive."""
+    node = x.grad_fn
+    if node is not None and getattr(node, "_forward_cls", None) is _ResidualOut:
+        node.source_slot = slot
+
+
+class ResidualTap(IdentityOp):
+    """boost's ``input_layernorm`` / ``pre_mlp_layernorm`` slot: the identity (the norm is
+    fused into the A side), marking the residual branch point (module docstring)."""
+
+    def forward(self, x, *args, **kwargs):
+        if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
+            return x  # nothing to back-propagate (inference, a checkpointed forward)
+        slot = ResidualSlot()
+        _link_source(x, slot)
+        setattr(x, _SLOT_ATTRIBUTE, slot)  # for this call's bda, which takes it off
+        return _ResidualTap.apply(x, slot)
+
+
+def residual_bias_dropout_add(training: bool, fused: bool):
+    """boost's ``self_attn_bda`` / ``mlp_bda`` slot: megatron's bias-dropout-add
+    (``get_bias_dropout_add``); for a residual the tap marked, computed on the detached
+    residual, whose gradient goes to the tap's slot instead (:class:`_ResidualOut`)."""
+    bias_dropout_add = get_bias_dropout_add(training, fused)
+
+    def residual_into_slot(x_with_bias, residual, prob):
+        slot = getattr(residual, _SLOT_ATTRIBUTE, None)
+        if slot is None:
+            return bias_dropout_add(x_with_bias, residual, prob)
+        delattr(residual, _SLOT_ATTRIBUTE)
+        if residual.dtype != x_with_bias[0].dtype:  # megatron casts it: leave it to autograd
+            return bias_dropout_add(x_with_bias, residual, prob)
+        return _ResidualOut.apply(bias_dropout_add(x_with_bias, residual.detach(), prob), slot)
+
+    return residual_into_slot
+
+
+def residual_slot_of(x: torch.Tensor) -> Optional[ResidualSlot]:
+    """The slot of the tap whose output x is (None otherwise): the A side's ctx keeps it."""
+    node = x.grad_fn
+    if node is None or getattr(node, "_forward_cls", None) is not _ResidualTap:
+        return None
+    return node.residual_slot
+
+
+def take_residual_gradient(slot: Optional[ResidualSlot], like: torch.Tensor
+                           ) -> Optional[torch.Tensor]:
+    """The residual's gradient as a contiguous buffer of ``like``'s shape and dtype that the
+    A side's dgrad GEMM accumulates into: the slot's own tensor when it is writable (module
+    docstring), else a copy. None without one (or of another shape or dtype: then it stays in
+    the slot and the tap adds it)."""
+    if slot is None or slot.gradient is None:
+        return None
+    if slot.gradient.shape != like.shape or slot.gradient.dtype != like.dtype:
+        return None
+    gradient, writable = slot.take()
+    if writable and gradient.is_contiguous():
+        return gradient
+    return gradient.clone(memory_format=torch.contiguous_format)
+
+
+def as_next_layer_input(out: torch.Tensor) -> torch.Tensor:
+    """A layer's output as the next boost layer's input tap takes it: the gradient handed to
+    the result is then treated as that layer's A side's, which this layer's bda may accumulate
+    into. For the op ledger (``measure/ledger.py``), which measures a layer inside the decoder
+    (its own gradient buffer, never one a caller reads again)."""
+    return ResidualTap()(out)
