@@ -241,14 +241,13 @@ class LedgerSpec:
         fields = dataclasses.asdict(self)
         fields.update(mode=self.layout.mode, tp=self.layout.tp,
                       sequence_parallel=bool(self.layout.sequence_parallel))
-        # the halves only where on: the reports of the layers without them keep their form
-        names = _SPEC_JSON_ORDER + (("interleave_halves",) if self.interleave_halves else ())
-        return {name: fields[name] for name in names}
+        return {name: fields[name] for name in _SPEC_JSON_ORDER}
 
 
 #: The spec's keys in the JSON reports, in their published order.
 _SPEC_JSON_ORDER = ("shape", "mode", "tp", "micro_batch", "seq_length", "dtype",
-                    "sequence_parallel", "recompute", "overlap_chunks", "bias_activation_fusion")
+                    "sequence_parallel", "recompute", "overlap_chunks", "bias_activation_fusion",
+                    "interleave_halves")
 
 
 # ---------------------------------------------------------------------------------------------
