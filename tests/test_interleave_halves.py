@@ -25,29 +25,9 @@ from __future__ import annotations
 import pytest
 
 from tests.rank_pool import distributed
+from tests.test_reference_layer import SEED, S, TOL, _rel_err, _transformer_config
 
-TOL = 1e-5
-MODEL = dict(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-             num_query_groups=2, attn_rank=16, mlp_rank=24, seq_length=8,
-             bottleneck_activation="silu", mlp_gate_activation=True)
-S, B, SEED = 8, 4, 1234
-
-
-def _transformer_config():
-    from megatron_boost.config.resolved import resolve_run, to_transformer_config
-    from megatron_boost.config.run import RunConfig
-
-    cfg = RunConfig()
-    for key, value in MODEL.items():
-        setattr(cfg.model, key, value)
-    cfg.parallel.mode, cfg.parallel.tp = "boost", 2
-    cfg.training.micro_batch_size = cfg.training.global_batch_size = B
-    return to_transformer_config(resolve_run(cfg.validate(), vocab_size=cfg.model.vocab_size))
-
-
-def _rel_err(a, b) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+B = 4  # sequences: two halves of two (the model, S and SEED: the reference layer test's)
 
 
 def _run(layer, x, grad, halves: bool, recompute: bool):

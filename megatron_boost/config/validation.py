@@ -375,15 +375,6 @@ def _check_interleave_halves(cfg) -> None:
         if broken:
             raise ValueError(f"parallel.interleave_halves (true) {why}; or set "
                              f"parallel.interleave_halves=false")
-    if _greenlet_missing():
-        raise ValueError("parallel.interleave_halves (true) needs the greenlet package (a "
-                         "dependency of megatron-boost): pip install greenlet")
-
-
-def _greenlet_missing() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("greenlet") is None
 
 
 _OPTIMIZERS = ("adamw", "muon")

@@ -22,13 +22,9 @@ import contextvars
 from typing import Callable, List, Sequence
 
 import torch
+from greenlet import getcurrent as _current, greenlet as _greenlet
 
 __all__ = ["current_half", "hand_over", "in_half", "run_halves"]
-
-try:  # the interleaving's only extra dependency (pyproject.toml)
-    from greenlet import greenlet as _greenlet, getcurrent as _current
-except ImportError:  # pragma: no cover - refused by config validation instead
-    _greenlet = None
 
 
 class _HandOver:
@@ -40,7 +36,7 @@ _HAND_OVER = _HandOver()
 
 def in_half() -> bool:
     """Whether the caller runs inside one half of :func:`run_halves`."""
-    return _greenlet is not None and getattr(_current(), "is_half", False)
+    return getattr(_current(), "is_half", False)
 
 
 def current_half():

@@ -55,6 +55,7 @@ from megatron_boost.config.transformer import (BoostTransformerConfig, get_bottl
 from megatron_boost.parallel.bottleneck import (BottleneckActivation, BottleneckGeometry,
                                                 GradientLink, down_project, split_project,
                                                 up_project)
+from megatron_boost.parallel.interleave import in_half
 from megatron_boost.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_forward
 from megatron_boost.parallel.online_rmsnorm import autograd_activation_grad, fold_norm_weight
 from megatron_boost.parallel.pipeline import PipelinePlan, pipelined_bottleneck
@@ -356,7 +357,7 @@ class BoostBottleneckGroup(BottleneckGroup):
         # backward). Low-rank activation checkpointing serves both from its log, inside
         # down_project (docs/design.md §7).
         # An interleaved half's backward reduces dP after σ' and waits in the A side (link).
-        link = GradientLink()
+        link = GradientLink() if in_half() else None
         reduced = down_project(x_in, w, self.tp_group, with_statistic, geometry.fuse_wgrad, link)
         products, sumsq = reduced if with_statistic else (reduced, None)
         # scale and σ, then the B factors; bwd: AR(Σr) of dz, overlapped with dB.
