@@ -1,5 +1,6 @@
-"""The residual's gradient added in the A side's dgrad GEMM (``parallel/residual.py``,
-docs/design.md §3) changes no value and removes autograd's add of the residual gradient.
+"""The residual's gradient added in the A side's dgrad GEMM, and the residual in the B GEMM of
+the block's output (``parallel/residual.py``, docs/design.md §3), change no value and remove
+autograd's add of the residual gradient and the bda's add of the residual.
 
 One spawn of two gloo ranks (TP=2, CPU mode, fp32). Each rank builds one boost decoder layer the
 way the model builds its decoder and runs it twice in a row, y = L(L(x)) (so the first call's
@@ -7,15 +8,17 @@ output gradient is the second call's input gradient, as between two layers of a 
 in-place path; the second call's comes from outside: the copied path), forward and backward
 with the same output gradient, once as built and once with megatron's plain slots put back
 (``IdentityOp`` norms, ``get_bias_dropout_add``): today's path. For c = 1, c = 2
-(``bottleneck_overlap_chunks``, ``parallel/pipeline.py``) and low-rank recompute, it compares
-the output, dx and every weight-gradient shard, and counts the adds and copies of an
-[s, b, d/t] tensor that the backward runs (a ``TorchDispatchMode``).
+(``bottleneck_overlap_chunks``, ``parallel/pipeline.py``), low-rank recompute and hidden
+dropout on, it compares the output, dx and every weight-gradient shard, and counts the adds
+and copies of an [s, b, d/t] tensor that the forward and the backward run (a
+``TorchDispatchMode``).
 
 Tolerance (fp32): 1e-5 of the plain path's largest magnitude, the layer tests' bound
 (docs/design.md §11). The fusion changes the order of one sum per A side, (dP·W + 2·x·dΣx²) +
 d_res to (d_res + dP·W) + 2·x·dΣx²: a rounding of ~2^-24 relative at that dx, carried into the
-attention half's gradients through a few GEMMs and the norms (~1e-6); a dropped or doubled
-residual gradient is of order 1.
+attention half's gradients through a few GEMMs and the norms (~1e-6); the forward's
+residual + z·Bᵀ in one GEMM rounds once where the bda rounded twice (~2^-24 relative); a
+dropped or doubled residual, or its gradient, is of order 1.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ MODEL = dict(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_hea
 S, B, SEED = 8, 2, 1234
 #: {"section.key": value} of each variant.
 VARIANTS = {"c=1": {}, "c=2": {"parallel.bottleneck_overlap_chunks": 2},
-            "lowrank": {"training.recompute": "lowrank"}}
+            "lowrank": {"training.recompute": "lowrank"},
+            # megatron's hidden dropout on (set on the layer's config: the run config refuses it
+            # at tp > 1, where the ranks' masks differ; each rank compares against itself here)
+            "dropout": {"transformer.hidden_dropout": 0.25}}
 
 
 def _transformer_config(settings: dict):
@@ -42,10 +48,17 @@ def _transformer_config(settings: dict):
     for key, value in MODEL.items():
         setattr(cfg.model, key, value)
     cfg.parallel.mode, cfg.parallel.tp = "boost", 2
+    on_layer = {}
     for dotted, value in settings.items():
         section, key = dotted.split(".")
-        setattr(getattr(cfg, section), key, value)
-    return to_transformer_config(resolve_run(cfg.validate(), vocab_size=cfg.model.vocab_size))
+        if section == "transformer":
+            on_layer[key] = value
+        else:
+            setattr(getattr(cfg, section), key, value)
+    config = to_transformer_config(resolve_run(cfg.validate(), vocab_size=cfg.model.vocab_size))
+    for key, value in on_layer.items():
+        setattr(config, key, value)
+    return config
 
 
 def _stream_ops(shape):
@@ -79,12 +92,15 @@ def _run(layer, x, grad):
     model_parallel_cuda_manual_seed(SEED)
     layer.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
-    out = layer(layer(x)[0])[0]
+    forward = _stream_ops(x.shape)
+    with forward:
+        out = layer(layer(x)[0])[0]
+    forward_counts = dict(forward.counts)
     counter = _stream_ops(x.shape)
     with counter:
         out.backward(grad)
     grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    return out.detach(), x.grad, grads, dict(counter.counts)
+    return out.detach(), x.grad, grads, dict(counter.counts), forward_counts
 
 
 def _plain_slots(layer) -> None:
@@ -121,7 +137,8 @@ def _variant(name: str, rank: int, world: int) -> dict:
     plain = _run(layer, x.contiguous(), grad)
     errs = {"out": _rel_err(fused[0], plain[0]), "dx": _rel_err(fused[1], plain[1])}
     errs.update({f"d{n}": _rel_err(fused[2][n], plain[2][n]) for n in plain[2]})
-    return {"errors": errs, "ops": (fused[3], plain[3]), "grad_untouched": untouched}
+    return {"errors": errs, "ops": (fused[3], plain[3]), "forward_ops": (fused[4], plain[4]),
+            "grad_untouched": untouched}
 
 
 def _worker(rank, world):
@@ -146,25 +163,41 @@ def test_fused_residual_gradient_equals_autograds_add(results, variant):
         assert not bad, f"rank {rank}, {variant}: {bad}"
 
 
-#: Stream-shaped adds that run in backward on both paths: low-rank recompute re-runs the
+#: Stream-shaped adds that run in backward on the plain path: low-rank recompute re-runs the
 #: forward, whose bias-dropout-adds (the residual added back, two per call) run then.
 RECOMPUTED_FORWARD_ADDS = {"lowrank": 2 * 2}
+#: Forward adds of the residual left to the bda on the fused path, two per call: the
+#: pipelined chunks' B sides do not take it (parallel/pipeline.py), and with dropout on the
+#: tap does not offer it (dropout applies to the branch's output alone).
+BDA_ADDS = {"c=2": 2 * 2, "dropout": 2 * 2}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_no_residual_gradient_add_runs(results, variant):
     """Today's path adds the residual's gradient twice per call (attention's and the MLP's:
-    four adds in two calls); the fused path none: the dgrad GEMMs add it."""
+    four adds in two calls); the fused path none: the dgrad GEMMs add it (and a recomputed
+    forward adds the residual in its B GEMMs, or in the bda with the chunks)."""
     forward = RECOMPUTED_FORWARD_ADDS.get(variant, 0)
     for res in results:
         fused, plain = res[variant]["ops"]
         assert plain["adds"] == forward + 4, res[variant]["ops"]
-        assert fused["adds"] == forward, res[variant]["ops"]
+        assert fused["adds"] == (forward and BDA_ADDS.get(variant, 0)), res[variant]["ops"]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_block_outputs_b_gemm_adds_the_residual(results, variant):
+    """Today's path adds the residual back after the attention and the MLP (two adds per
+    call); the fused path in proj's and fc2's B GEMM (beta = 1): no add, except where the
+    chunks' pipeline leaves it to the bda."""
+    for res in results:
+        fused, plain = res[variant]["forward_ops"]
+        assert plain["adds"] == 2 * 2, res[variant]["forward_ops"]
+        assert fused["adds"] == BDA_ADDS.get(variant, 0), res[variant]["forward_ops"]
 
 
 #: Calls whose output gradient comes from outside the layers: L(L(x))'s second (the test's
 #: gradient); with low-rank recompute both (the checkpoint hands each its gradient).
-FROM_OUTSIDE = {"c=1": 1, "c=2": 1, "lowrank": 2}
+FROM_OUTSIDE = {"c=1": 1, "c=2": 1, "lowrank": 2, "dropout": 1}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

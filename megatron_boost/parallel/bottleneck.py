@@ -241,12 +241,16 @@ def split_project(z: torch.Tensor, weights, ranks: Sequence[int]) -> List[torch.
     return [torch.matmul(zp, w.t()) for zp, w in zip(z.split(list(ranks), dim=-1), weights)]
 
 
-def _up_project_gemms(z: torch.Tensor, b: torch.Tensor, geometry: BottleneckGeometry
-                      ) -> List[torch.Tensor]:
+def _up_project_gemms(z: torch.Tensor, b: torch.Tensor, geometry: BottleneckGeometry,
+                      residual: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """y_p = z_p · B_pᵀ for each projection p, z [s, b, Σr] = [z_1 | z_2 | ...], B the grouped
     factor [Σ out_p, r]: with ``batched`` and equal shapes, one batched GEMM whose outputs share
-    one buffer, else one GEMM per projection on its row view."""
+    one buffer, else one GEMM per projection on its row view. With ``residual`` (one
+    projection: the block's output) y = residual + z·Bᵀ in the GEMM (beta = 1)."""
     rows, ranks = geometry.rows, geometry.ranks
+    if residual is not None:  # [s·b, d/t] = [s·b, d/t] + [s·b, r]·[r, d/t]
+        y = torch.addmm(residual.reshape(-1, rows[0]), z.reshape(-1, ranks[0]), b.t())
+        return [y.view(residual.shape)]  # [s, b, d/t]
     if geometry.batched and geometry.equal_shapes():
         g, r, out = len(rows), ranks[0], rows[0]
         zb = z.reshape(-1, g, r).transpose(0, 1)  # [G, s·b, r], strided: no copy
@@ -300,14 +304,14 @@ class _UpProjectAllReduceBwd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, products, sumsq, b, geometry: BottleneckGeometry,
-                link: Optional[GradientLink]):
+                link: Optional[GradientLink], residual: Optional[torch.Tensor]):
         ctx.geometry = geometry
         # an interleaved half reduces dP after σ' instead of dz before it (the A side waits)
         ctx.link = link if reduces_after_activation(link) else None
         ctx.main_grad = accumulation_target(b, geometry.fuse_wgrad, products.dtype)
         z = geometry.activation.forward(products, sumsq)  # [s, b, Σr]
         ctx.save_for_backward(products, sumsq, z, b)
-        return tuple(_up_project_gemms(z, b, geometry))
+        return tuple(_up_project_gemms(z, b, geometry, residual))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -318,7 +322,8 @@ class _UpProjectAllReduceBwd(torch.autograd.Function):
                  else z.new_zeros(z.numel() // z.shape[-1], n) for g, n in zip(grads, geo.rows)]
         dz = _up_project_dgrad(grads, b, geo.rows, geo.ranks, z)  # [s, b, Σr], partial
         if ctx.link is not None:
-            return (*_reduce_after_activation(ctx, products, sumsq, dz, grads, z, b), None, None)
+            return (*_reduce_after_activation(ctx, products, sumsq, dz, grads, z, b),
+                    None, None, None)
         handle = None
         if get_pg_size(geo.group) > 1:
             handle = torch.distributed.all_reduce(dz, group=geo.group, async_op=geo.overlap)
@@ -327,7 +332,8 @@ class _UpProjectAllReduceBwd(torch.autograd.Function):
         if handle is not None and geo.overlap:
             handle.wait()
         d_products, d_sumsq = geo.activation.backward(products, sumsq, dz)
-        return d_products, d_sumsq, db, None, None
+        # none for the residual: its gradient is the output's, which the bda routes
+        return d_products, d_sumsq, db, None, None, None
 
 
 def reduces_after_activation(link: Optional[GradientLink]) -> bool:
@@ -350,11 +356,13 @@ def _reduce_after_activation(ctx, products, sumsq, dz, grads, z, b):
 
 
 def up_project(products: torch.Tensor, sumsq: Optional[torch.Tensor], b: torch.Tensor,
-               geometry: BottleneckGeometry, link: Optional[GradientLink] = None
-               ) -> List[torch.Tensor]:
+               geometry: BottleneckGeometry, link: Optional[GradientLink] = None,
+               residual: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
     """boost's B side on the reduced products P [s, b, Σr] (and the statistic, with the fused
     norm): [s, b, out_p/t] per projection, from the grouped B factor [Σ out_p/t, r].
     fwd: no communication; bwd: all-reduce of dz (Σr), overlapped with the dB GEMMs when
     ``geometry.overlap`` (:class:`_UpProjectAllReduceBwd`); inside an interleaved half, of
-    dP after σ', waited for by the A side through ``link``."""
-    return list(_UpProjectAllReduceBwd.apply(products, sumsq, b, geometry, link))
+    dP after σ', waited for by the A side through ``link``. ``residual`` (detached, the
+    block's output only): added in the GEMM; its gradient is the bda's to route
+    (``parallel/residual.py``)."""
+    return list(_UpProjectAllReduceBwd.apply(products, sumsq, b, geometry, link, residual))

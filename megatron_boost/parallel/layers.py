@@ -59,6 +59,7 @@ from megatron_boost.parallel.interleave import in_half
 from megatron_boost.parallel.mappings import copy_to_tensor_model_parallel_region, reduce_forward
 from megatron_boost.parallel.online_rmsnorm import autograd_activation_grad, fold_norm_weight
 from megatron_boost.parallel.pipeline import PipelinePlan, pipelined_bottleneck
+from megatron_boost.parallel.residual import take_offered_residual
 from megatron_boost.parallel.wgrad import accumulation_target, column_parallel_a, row_parallel_b
 
 __all__ = [
@@ -360,8 +361,18 @@ class BoostBottleneckGroup(BottleneckGroup):
         link = GradientLink() if in_half() else None
         reduced = down_project(x_in, w, self.tp_group, with_statistic, geometry.fuse_wgrad, link)
         products, sumsq = reduced if with_statistic else (reduced, None)
-        # scale and σ, then the B factors; bwd: AR(Σr) of dz, overlapped with dB.
-        return self.outputs(up_project(products, sumsq, self.B, geometry, link))
+        # scale and σ, then the B factors (+ the residual: proj, fc2); bwd: AR(Σr) of dz,
+        # overlapped with dB.
+        residual = self._offered_residual(products, geometry)
+        return self.outputs(up_project(products, sumsq, self.B, geometry, link, residual))
+
+    def _offered_residual(self, products: torch.Tensor, geometry: BottleneckGeometry):
+        """The layer's residual [s, b, d/t] for the B GEMM of the block's output (proj, fc2)
+        to add, as the residual tap offered it (``parallel/residual.py``); else None."""
+        group = getattr(type(self), "group", None)
+        if group is None or not group.writes_residual:
+            return None
+        return take_offered_residual((*products.shape[:-1], geometry.rows[0]), products.dtype)
 
     def _geometry(self) -> BottleneckGeometry:
         """The group's B side besides its tensors (``parallel/bottleneck.py``)."""

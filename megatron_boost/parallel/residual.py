@@ -1,4 +1,5 @@
-"""The residual stream's gradient added in the A side's dgrad GEMM (docs/design.md §3).
+"""The residual stream added in boost's GEMMs: its gradient in the A side's dgrad GEMM, and
+the residual itself in the B side's GEMM of the block's output (docs/design.md §3).
 
 In a boost layer the stream x feeds two consumers: the normed group's A side (qkv, fc1:
 ``down_project``, which holds the fused norm) and megatron's residual (``residual =
@@ -20,6 +21,15 @@ untouched:
   dL/d(out) (the residual's gradient: the residual is added last) into the slot.
 * the A side finds the slot from its input's autograd node (:func:`residual_slot_of`) and takes
   the gradient in its backward (:func:`take_residual_gradient`).
+
+The forward is the mirror image. The block's output is y + x: the B GEMM of ``linear_proj``
+/ ``linear_fc2`` (``up_project``) writes y, megatron's bda then adds x (another kernel, another
+pass over [s, b, d/t]). Here the tap offers x (:func:`offer` of the call's slot, in a context
+variable) and that B side takes it (:func:`take_offered_residual`) and computes x + z·Bᵀ in
+the GEMM's epilogue (beta = 1, as megatron's fused TP inference kernel adds the residual inside
+``linear_proj``); the bda then adds nothing. Only where the bda's dropout is off (inference, or
+``hidden_dropout`` = 0): dropout applies to y alone. A B side that does not take it (the
+pipelined chunks, another dtype) leaves it to the bda.
 
 Per call, never per module: the slot lives on the autograd nodes and on that call's tensor, so
 two micro-batches in flight (pipeline parallelism) and a low-rank recompute (a fresh forward
@@ -43,6 +53,7 @@ the tap adds it, as autograd's input buffer did.
 
 from __future__ import annotations
 
+import contextvars
 import weakref
 from typing import Optional
 
@@ -51,18 +62,31 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.identity_op import IdentityOp
 
 __all__ = ["ResidualSlot", "ResidualTap", "as_next_layer_input", "residual_bias_dropout_add",
-           "residual_slot_of", "take_residual_gradient"]
+           "residual_slot_of", "take_offered_residual", "take_residual_gradient"]
 
 _SLOT_ATTRIBUTE = "_boost_residual_slot"
 """The attribute the tap puts on its input (megatron's ``residual``) for the bda to find."""
 
 
-class ResidualSlot:
-    """One call's residual gradient, from the bda's backward to the A side's."""
+_OFFERED: contextvars.ContextVar = contextvars.ContextVar("boost_residual_offered",
+                                                          default=None)
+"""The slot whose residual the block's output B side may add in its GEMM: a context variable,
+so each interleaved half (``parallel/interleave.py``, a context per half) has its own."""
 
-    __slots__ = ("gradient", "writable", "returned")
+
+class ResidualSlot:
+    """One call's residual: offered to the B side of the block's output in the forward; its
+    gradient from the bda's backward to the A side's."""
+
+    __slots__ = ("offered", "added", "tapped", "gradient", "writable", "returned")
 
     def __init__(self):
+        self.offered: Optional[torch.Tensor] = None
+        """The residual (detached), until a B side takes it."""
+        self.added = False
+        """A B side added the residual in its GEMM: the bda adds nothing."""
+        self.tapped = False
+        """The tap put its node in the graph: the bda routes the gradient to this slot."""
         self.gradient: Optional[torch.Tensor] = None
         self.writable = False
         self.returned: Optional[weakref.ref] = None
@@ -127,15 +151,32 @@ def _link_source(x: torch.Tensor, slot: ResidualSlot) -> None:
 
 class ResidualTap(IdentityOp):
     """boost's ``input_layernorm`` / ``pre_mlp_layernorm`` slot: the identity (the norm is
-    fused into the A side), marking the residual branch point (module docstring)."""
+    fused into the A side), marking the residual branch point (module docstring). Built by
+    megatron with the layer's config; without one (:func:`as_next_layer_input`) it offers no
+    residual."""
+
+    def __init__(self, *args, config=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.config = config
 
     def forward(self, x, *args, **kwargs):
-        if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad):
-            return x  # nothing to back-propagate (inference, a checkpointed forward)
+        if not isinstance(x, torch.Tensor):
+            return x
         slot = ResidualSlot()
-        _link_source(x, slot)
         setattr(x, _SLOT_ATTRIBUTE, slot)  # for this call's bda, which takes it off
+        if self._output_gemm_may_add():
+            slot.offered = x.detach()
+            _OFFERED.set(slot)
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x  # nothing to back-propagate (inference, a checkpointed forward)
+        slot.tapped = True
+        _link_source(x, slot)
         return _ResidualTap.apply(x, slot)
+
+    def _output_gemm_may_add(self) -> bool:
+        """Whether the bda's dropout is off, so the residual may join the output GEMM
+        (dropout applies to the branch's output alone)."""
+        return self.config is not None and not (self.training and self.config.hidden_dropout)
 
 
 def residual_bias_dropout_add(training: bool, fused: bool):
@@ -149,11 +190,47 @@ def residual_bias_dropout_add(training: bool, fused: bool):
         if slot is None:
             return bias_dropout_add(x_with_bias, residual, prob)
         delattr(residual, _SLOT_ATTRIBUTE)
-        if residual.dtype != x_with_bias[0].dtype:  # megatron casts it: leave it to autograd
-            return bias_dropout_add(x_with_bias, residual, prob)
+        _withdraw(slot)
+        if slot.added:  # the output's B GEMM added the residual
+            return _output_with_residual(x_with_bias, slot, training and prob > 0)
+        if not slot.tapped or residual.dtype != x_with_bias[0].dtype:
+            return bias_dropout_add(x_with_bias, residual, prob)  # megatron casts: autograd's
         return _ResidualOut.apply(bias_dropout_add(x_with_bias, residual.detach(), prob), slot)
 
     return residual_into_slot
+
+
+def _withdraw(slot: ResidualSlot) -> None:
+    """The slot's offer ends with its bda, taken or not."""
+    slot.offered = None
+    if _OFFERED.get() is slot:
+        _OFFERED.set(None)
+
+
+def _output_with_residual(x_with_bias, slot: ResidualSlot, dropout: bool) -> torch.Tensor:
+    """The bda of an output that holds the residual already: its bias added (boost's linears
+    have none), its gradient routed to the slot where the tap is in the graph."""
+    if dropout:  # the tap offers only without dropout: a layer with its own dropout rate
+        raise RuntimeError("boost's block output added the residual in its GEMM, but the bda "
+                           "applies dropout; the tap must not offer it with dropout on")
+    out, bias = x_with_bias
+    if bias is not None:
+        out = out + bias
+    return _ResidualOut.apply(out, slot) if slot.tapped else out
+
+
+def take_offered_residual(shape, dtype) -> Optional[torch.Tensor]:
+    """The residual the tap offered, for the B GEMM that writes the block's output of
+    ``shape`` and ``dtype`` to add (beta = 1); None when there is none or it does not fit
+    (then the bda adds it). Taken once: the slot records that it was added."""
+    slot = _OFFERED.get()
+    if slot is None or slot.offered is None:
+        return None
+    if tuple(slot.offered.shape) != tuple(shape) or slot.offered.dtype != dtype:
+        return None
+    residual, slot.offered, slot.added = slot.offered, None, True
+    _OFFERED.set(None)
+    return residual
 
 
 def residual_slot_of(x: torch.Tensor) -> Optional[ResidualSlot]:
