@@ -135,13 +135,14 @@ def test_an_fp32_bottleneck_kept_for_backward_is_listed(monkeypatch):
     fc1's 2·r_mlp); the fused regions keep none."""
     from megatron_boost.parallel import bottleneck, layers, online_rmsnorm
 
-    def autograd_up(products, sumsq, b, geometry, link=None):
+    def autograd_up(products, sumsq, b, geometry, link=None, residual=None):
         activation = geometry.activation
         z = activation.act(products)
         if sumsq is not None:
             inv = online_rmsnorm.inverse_rms(sumsq, activation.hidden_size, activation.eps)
             z = activation.act((products.float() * inv).to(products.dtype))
-        return bottleneck.split_project(z, b.split(list(geometry.rows)), geometry.ranks)
+        ys = bottleneck.split_project(z, b.split(list(geometry.rows)), geometry.ranks)
+        return ys if residual is None else [ys[0] + residual]  # the block's output
 
     spec = LedgerSpec(shape=SMALL, layout=Layout(mode="boost", tp=2), seq_length=32)
     assert _measured(spec).saved_fp32_wide == []
