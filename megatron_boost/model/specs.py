@@ -110,13 +110,14 @@ class BottleneckTransformerLayer(TransformerLayer):
     def _forward_halves(self, hidden, args, kwargs):
         """The forward on each half of the batch, interleaved at boost's forward all-reduces
         (``parallel/interleave.py``); causal attention mixes no sequences, so the halves'
-        outputs side by side are the whole batch's."""
-        halves = [h.contiguous() for h in hidden.chunk(2, dim=1)]  # 2 x [s, b/2, d/t]
+        outputs side by side are the whole batch's. Each half copies its own rows in inside its
+        turn, so that half 1's copy runs beside half 0's first all-reduce."""
+        views = hidden.chunk(2, dim=1)  # 2 x [s, b/2, d/t], strided: one split, no copy yet
         masks = _batch_halves(kwargs.get("attention_mask"), hidden.shape[1])
 
         def run(i):
             own = dict(kwargs, attention_mask=masks[i]) if "attention_mask" in kwargs else kwargs
-            return self._forward_whole(halves[i], args, own)[0]
+            return self._forward_whole(views[i].contiguous(), args, own)[0]
 
         return torch.cat(run_halves(run, [0, 1]), dim=1), None  # [s, b, d/t]
 
