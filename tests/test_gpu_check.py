@@ -176,6 +176,66 @@ def test_a_stages_cases_run_one_after_the_other_whatever_each_does(capsys):
                                                                        "kernel")
 
 
+def _fake_resume_worlds(monkeypatch, failing=()):
+    """run_distributed of stage 8's save/resume replaced: each call's modes recorded; a world
+    holding a mode of ``failing`` raises as a failed spawned world does, any other gives rank 0
+    bitwise-equal resumed losses per mode."""
+    from megatron_boost.runtime import spawn
+
+    worlds = []
+
+    def run_distributed(fn, world, plan, work, modes, attention, device, backend):
+        worlds.append(list(modes))
+        if set(modes) & set(failing):
+            raise RuntimeError("distributed worker failed:\n--- rank 1 ---\nbroken save")
+        ref = {i: {"loss": 5.0 - i / 10} for i in range(1, 7)}
+        return [[(ref, {i: ref[i] for i in (4, 5, 6)}) for _ in modes], [({}, {})] * len(modes)]
+
+    monkeypatch.setattr(spawn, "run_distributed", run_distributed)
+    return worlds
+
+
+def _resume_rows(out: str):
+    return {r.split("TP=2")[1].split(" tp=2")[0].strip(): _status(r)
+            for r in _stage_rows(out, 8) if "save/resume" in r}
+
+
+def test_tp_resume_runs_both_modes_in_one_world(monkeypatch, capsys, tmp_path):
+    """Stage 8's save/resume starts its two ranks once for naive and full (a rank's start-up
+    costs more than a debug run), each mode still its own row."""
+    from megatron_boost.testing import gpu_layout_stages
+
+    worlds = _fake_resume_worlds(monkeypatch)
+    gpu_layout_stages._tp_resume(cpu_plan(), tmp_path, 2, "gloo")
+    assert worlds == [["naive", "full"]]
+    assert _resume_rows(capsys.readouterr().out) == {"naive": "ok", "full": "ok"}
+
+
+def test_a_failed_resume_world_reruns_each_mode_alone(monkeypatch, capsys, tmp_path):
+    """When the shared world fails, each mode runs in a world of its own: the failing mode has
+    its FAIL row and the other mode still its ok row."""
+    from megatron_boost.testing import gpu_layout_stages
+
+    worlds = _fake_resume_worlds(monkeypatch, failing=("naive",))
+    gpu_layout_stages._tp_resume(cpu_plan(), tmp_path, 2, "gloo")
+    assert worlds == [["naive", "full"], ["naive"], ["full"]]
+    rows = _resume_rows(capsys.readouterr().out)
+    assert rows == {"naive": "FAIL", "full": "ok"}, rows
+
+
+def test_the_check_imports_without_torch():
+    """The check's module imports no torch: every process that imports it without measuring
+    stays light (the coordinator, a stage made to fail or to hang, stage 9 on the CPU, and the
+    helper process megatron's checkpoint writer spawns in a stage or a stage's rank, which
+    re-imports the check as its main module)."""
+    code = ("import sys; import megatron_boost.cli.gpu_check; "
+            "heavy = [m for m in ('torch', 'megatron.core') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_bad_stage_selection_is_one_error_line(capsys):
     assert gpu_check.main(["--cpu", "--stages", "0,99"]) == 2
     err = capsys.readouterr().err

@@ -1,6 +1,7 @@
 """The README's own-corpus path, run as written: every ```bash block marked ``<!-- tested -->``
-is taken from README.md, in order, and run as one script from the repository root on a small synthetic
-corpus (the page's settings block reads CORPUS, WORK, VOCAB and ITERS from the environment).
+is taken from README.md, in order, and run from the repository root on a small synthetic corpus
+(the page's settings block reads CORPUS, WORK, VOCAB and ITERS from the environment); once the
+data is made, the rest of the page and its Slurm examples (with stand-ins) run side by side.
 So the page cannot drift from the code: a renamed flag, a changed default or a broken step
 fails here. corpus → tokenizer → preprocess → config (--check) → train at TP=2 (the
 launcher, scripts/run_local.sh) → summary and curves → resume → export → sample → lm-eval →
@@ -16,6 +17,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +155,42 @@ def test_the_page_mentions_what_exists():
         (REPO / "pyproject.toml").read_text()
 
 
+def _scripts() -> tuple[str, list[str]]:
+    """The walk-through as bash scripts: the page's blocks up to its data (settings, tokenizer,
+    preprocessing), then two that need only that data and run side by side, each after the
+    settings block: the page's remaining blocks in order, and the Slurm examples with their
+    stand-ins."""
+    blocks = doc_commands()
+    data = next(i for i, b in enumerate(blocks) if "preprocess_data.py" in b) + 1
+    strict = "set -euo pipefail"
+    return ("\n".join([strict, *blocks[:data]]),
+            ["\n".join([strict, blocks[0], *blocks[data:]]),
+             "\n".join([strict, blocks[0], STAND_IN_SETUP, *stand_in_commands()])])
+
+
+def _run_walk_through(env) -> str:
+    """Run :func:`_scripts` from the repository root; their output (each must exit 0)."""
+    data, side_by_side = _scripts()
+    proc = subprocess.run(["bash", "-c", data], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    outs = [proc.stdout + proc.stderr]
+    procs = [subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)  # its group is killed on a failure
+             for script in side_by_side]
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=2400)[0])
+            assert p.returncode == 0, outs[-1][-5000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate(timeout=60)
+    return "".join(outs)
+
+
 def test_the_own_corpus_walk_through_runs_as_written(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("lm_eval")
@@ -175,12 +213,7 @@ def test_the_own_corpus_walk_through_runs_as_written(tmp_path):
                PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
                SHARED=str(tmp_path / "shared"), STAND_IN_BIN=str(stand_in_bin),
                SBATCH_RECORD=str(record))
-    script = "\n".join(["set -euo pipefail", *doc_commands(), STAND_IN_SETUP,
-                         *stand_in_commands()])
-    proc = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=2400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
+    out = _run_walk_through(env)
     work = tmp_path / "work"
     assert "check passed: 2 processes = tp 2 x pp 1 x dp 1 (mode boost) | " in out, out[-3000:]
     assert re.search(r"^summary: 6 iterations, .* \| training time ", out, re.M), out[-3000:]

@@ -179,29 +179,61 @@ def stage_tensor_parallel(plan: Plan, work: Path) -> None:
         _tp_resume(plan, work, *runs[0][:2])
 
 
-def _tp_resume_worker(rank: int, world: int, plan: Plan, work: str, mode: str,
+#: The modes stage 8 saves and resumes at TP=2 (see :func:`_tp_resume`).
+RESUME_MODES = (TPMode.NAIVE, TPMode.FULL)
+
+
+def _tp_resume_worker(rank: int, world: int, plan: Plan, work: str, modes: Sequence[str],
                       attention: str):
-    """One rank of a TP=2 trainer: save at 3, resume from 3 (stage 8)."""
+    """One rank of a TP=2 trainer, for each of ``modes`` in turn: save at 3, resume from 3
+    (stage 8); the (uninterrupted, resumed) metrics of each mode (rank 0's; {} elsewhere)."""
     import torch
 
+    from megatron_boost.testing.gpu_stages import free_memory
+
     torch.use_deterministic_algorithms(True, warn_only=True)
-    return resumed_losses(plan, Path(work), [f"parallel.mode={mode}", "parallel.tp=2",
-                                             f"model.attention_backend={attention}"], world)
+    results = []
+    for mode in modes:
+        results.append(resumed_losses(plan, Path(work) / mode, [
+            f"parallel.mode={mode}", "parallel.tp=2", f"model.attention_backend={attention}"],
+            world))
+        free_memory(plan.device)
+    return results
 
 
 def _tp_resume(plan: Plan, work: Path, world: int, backend: str) -> None:
     """naive and full at TP=2 through the real trainer, saved and resumed: the modes whose
     norms are megatron's (Transformer Engine's with its attention on the GPU), so their
-    checkpoint state (TE's extra state included) crosses a TP group."""
+    checkpoint state (TE's extra state included) crosses a TP group. Both modes run in one
+    spawned world, so its ranks start once (a rank's start-up costs more than a debug run);
+    when that world fails, each mode runs again in a world of its own, so the failing mode
+    has its FAIL row and the other its own row."""
+    from megatron_boost.runtime.spawn import run_distributed
+
     attention = resume_attention(8, plan)
-    run_cases(8, _tp_resume_cases(plan, work, backend, attention), plan.device,
-              error_row=_spawned_fail_row)
+    try:
+        per_mode, _ = run_distributed(_tp_resume_worker, world, plan, str(work),
+                                      list(RESUME_MODES), attention, device=plan.device,
+                                      backend=backend)
+    except Exception:  # noqa: BLE001 - each mode alone below names the one that fails
+        run_cases(8, _tp_resume_cases(plan, work, backend, attention), plan.device,
+                  error_row=_spawned_fail_row)
+        return
+    run_cases(8, (Case(_resume_case_name(mode, attention),
+                       functools.partial(resume_row, 8, _resume_case_name(mode, attention),
+                                         ref, got))
+                  for mode, (ref, got) in zip(RESUME_MODES, per_mode)), plan.device)
+
+
+def _resume_case_name(mode: str, attention: str) -> str:
+    return f"{mode} tp=2 save/resume, {attention}, bf16"
 
 
 def _tp_resume_cases(plan: Plan, work: Path, backend: str, attention: str) -> Iterable[Case]:
-    for mode in (TPMode.NAIVE, TPMode.FULL):
-        case = f"{mode} tp=2 save/resume, {attention}, bf16"
-        yield Case(case, functools.partial(_tp_resume_case, plan, work / mode, backend, case,
+    """Each mode's save/resume in a world of its own (after the shared world failed)."""
+    for mode in RESUME_MODES:
+        case = _resume_case_name(mode, attention)
+        yield Case(case, functools.partial(_tp_resume_case, plan, work, backend, case,
                                            mode, attention))
 
 
@@ -209,8 +241,8 @@ def _tp_resume_case(plan: Plan, work: Path, backend: str, case: str, mode: str,
                     attention: str) -> None:
     from megatron_boost.runtime.spawn import run_distributed
 
-    (ref, got), _ = run_distributed(_tp_resume_worker, 2, plan, str(work), mode, attention,
-                                    device=plan.device, backend=backend)
+    ((ref, got),), _ = run_distributed(_tp_resume_worker, 2, plan, str(work), [mode],
+                                       attention, device=plan.device, backend=backend)
     resume_row(8, case, ref, got)
 
 

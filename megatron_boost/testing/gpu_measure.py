@@ -23,7 +23,6 @@ from megatron_boost.analysis.rank_shape import (projection_gemms, projection_tra
                                                rank_layout_problem, rank_local_shape,
                                                shape_overrides)
 from megatron_boost.config.modes import TPMode
-from megatron_boost.perf.timing import DeviceTimer, projection_gemm_ms
 from megatron_boost.runtime.stages import Row, check, emit, info, one_line
 from megatron_boost.testing.gpu_stages import (BACKENDS, MODES, Case, Plan,
                                                backend_unavailable, build_trainable,
@@ -136,6 +135,7 @@ def _attention_case(plan: Plan, case: str, backend: str) -> None:
 
     from megatron_boost.measure.layer_comm import build_decoder_layer
     from megatron_boost.measure.memory import SavedActivations
+    from megatron_boost.perf.timing import DeviceTimer
 
     _, config = _layer_config(f"configs/{plan.attention_model}.yaml",
                               [f"model.seq_length={plan.attention_seq}"], TPMode.BOOST, backend,
@@ -215,6 +215,7 @@ def _layer_case(plan: Plan, case: str, shape, tp: int, mode: str,
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_boost.measure.layer_comm import build_decoder_layer
+    from megatron_boost.perf.timing import DeviceTimer, projection_gemm_ms
 
     local = rank_local_shape(shape, mode, tp)
     seq, mbs = plan.layer_tokens
