@@ -114,7 +114,15 @@ def _one_build(tp, mode, variant):
 
 
 @pytest.fixture(scope="module")
-def results():
+def dropout_grads():
+    """:func:`_dropout_grads` in one process, run before the four of ``results``: a rank left
+    with many threads by the 18 builds retires after them (tests/rank_pool.py's MAX_THREADS),
+    so run after, it would start and import in a fresh process of its own."""
+    return distributed(_dropout_grads, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def results(dropout_grads):  # dropout_grads: only its order (first)
     return distributed(_run, 4)
 
 
@@ -186,11 +194,10 @@ def _dropout_grads(rank, world):
     return out
 
 
-def test_lowrank_recompute_replays_dropout():
+def test_lowrank_recompute_replays_dropout(dropout_grads):
     """The recompute restores the CPU, CUDA and RNG-tracker states of the forward, as megatron's
     checkpoint function does, so its dropout masks are the forward's: bitwise equal gradients."""
-    grads = distributed(_dropout_grads, 1)[0]
-    plain, low = grads[False], grads[True]
+    plain, low = dropout_grads[False], dropout_grads[True]
     assert plain.keys() == low.keys()
     differ = [k for k in plain if not torch.equal(plain[k], low[k])]
     assert not differ, f"gradients differ with recompute under dropout: {differ}"
