@@ -3,10 +3,6 @@ made end with it, the caller's default group stays. Without it each layout's glo
 registered (and their threads running) until the process group ends: a rank of the test
 suite that checks layout after layout (tests/test_parallel.py) gathers threads with each."""
 
-import pytest
-
-pytestmark = pytest.mark.fast
-
 
 def test_a_layouts_groups_end_with_it_and_the_default_group_stays():
     import torch.distributed as dist
