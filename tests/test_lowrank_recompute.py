@@ -71,6 +71,21 @@ def _built(spec, **settings):
 
 
 def _run(rank, world):
+    from megatron_boost.train.distributed import groups_released
+
+    out = {}
+    for tp in (1, 2, 4):
+        for mode in ("naive", "boost"):
+            for variant in VARIANTS:
+                # each build's process groups end with it: 18 builds in one set of processes
+                with groups_released():
+                    out[(tp, mode, variant)] = _one_build(tp, mode, variant)
+    return out
+
+
+def _one_build(tp, mode, variant):
+    """Gradients, saved bytes and collectives of one forward and backward of ``mode`` at
+    ``tp`` in ``variant`` (plain, low-rank recompute, no backward overlap)."""
     from megatron.core import parallel_state
 
     from megatron_boost.measure.collectives import record_collectives
@@ -79,36 +94,35 @@ def _run(rank, world):
     from megatron_boost.testing.verification import LayoutSpec, layout_batches
     from megatron_boost.train.step import initialize_parallel
 
-    out = {}
-    for tp in (1, 2, 4):
-        for mode in ("naive", "boost"):
-            for variant in VARIANTS:
-                spec = LayoutSpec(layout=Layout(mode=mode, tp=tp), model=MODEL, seq_length=SEQ,
-                                  micro_batch_size=MICRO_BATCH)
-                initialize_parallel(tp, 1, None, spec.seed)
-                built = _built(spec, **{
-                    "training.recompute": "lowrank" if variant == "lowrank" else None,
-                    "parallel.overlap_bottleneck_grad_reduce": variant != "no_overlap"})
-                assert built.config.lowrank_recompute == (variant == "lowrank")
-                model = built.chunks[0]
-                batch = layout_batches(spec, 100, 1, 0)[0]
-                hooks, saved = _saved_bytes_hooks(list(model.parameters()),
-                                                  model.module.decoder.layers)
-                group = parallel_state.get_tensor_model_parallel_group()
-                with record_collectives(group) as log:
-                    with hooks:  # forward only: what is kept for backward
-                        loss = model(batch["tokens"], batch["position_ids"], None,
-                                     labels=batch["labels"])
-                    loss.float().mean().backward()
-                grads = {k: p.main_grad.clone() for k, _, _, p in sharded_params(model.module)}
-                out[(tp, mode, variant)] = {"grads": grads, "saved": dict(saved),
-                                            "comm": log.summary()}
-                parallel_state.destroy_model_parallel()
-    return out
+    spec = LayoutSpec(layout=Layout(mode=mode, tp=tp), model=MODEL, seq_length=SEQ,
+                      micro_batch_size=MICRO_BATCH)
+    initialize_parallel(tp, 1, None, spec.seed)
+    built = _built(spec, **{
+        "training.recompute": "lowrank" if variant == "lowrank" else None,
+        "parallel.overlap_bottleneck_grad_reduce": variant != "no_overlap"})
+    assert built.config.lowrank_recompute == (variant == "lowrank")
+    model = built.chunks[0]
+    batch = layout_batches(spec, 100, 1, 0)[0]
+    hooks, saved = _saved_bytes_hooks(list(model.parameters()), model.module.decoder.layers)
+    group = parallel_state.get_tensor_model_parallel_group()
+    with record_collectives(group) as log:
+        with hooks:  # forward only: what is kept for backward
+            loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss.float().mean().backward()
+    grads = {k: p.main_grad.clone() for k, _, _, p in sharded_params(model.module)}
+    return {"grads": grads, "saved": dict(saved), "comm": log.summary()}
 
 
 @pytest.fixture(scope="module")
-def results():
+def dropout_grads():
+    """:func:`_dropout_grads` in one process, run before the four of ``results``: a rank left
+    with many threads by the 18 builds retires after them (tests/rank_pool.py's MAX_THREADS),
+    so run after, it would start and import in a fresh process of its own."""
+    return distributed(_dropout_grads, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def results(dropout_grads):  # dropout_grads: only its order (first)
     return distributed(_run, 4)
 
 
@@ -180,11 +194,10 @@ def _dropout_grads(rank, world):
     return out
 
 
-def test_lowrank_recompute_replays_dropout():
+def test_lowrank_recompute_replays_dropout(dropout_grads):
     """The recompute restores the CPU, CUDA and RNG-tracker states of the forward, as megatron's
     checkpoint function does, so its dropout masks are the forward's: bitwise equal gradients."""
-    grads = distributed(_dropout_grads, 1)[0]
-    plain, low = grads[False], grads[True]
+    plain, low = dropout_grads[False], dropout_grads[True]
     assert plain.keys() == low.keys()
     differ = [k for k in plain if not torch.equal(plain[k], low[k])]
     assert not differ, f"gradients differ with recompute under dropout: {differ}"

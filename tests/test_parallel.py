@@ -135,9 +135,18 @@ def _references(rank, world, ref_specs, boost1):
 
 def _world_jobs(rank, world, jobs, collective_specs):
     """The layouts of one world size, then (world 2) the model's collectives at TP=2 of each
-    mode: one set of processes for everything that needs that many."""
-    return run_many(rank, world, jobs), [model_collectives(rank, world, s)
-                                         for s in collective_specs]
+    mode: one set of processes for everything that needs that many, each layout's process
+    groups ended before the next (about fifty threads per layout at world 4 otherwise)."""
+    from megatron_boost.train.distributed import groups_released
+
+    layouts, collectives = [], []
+    for job in jobs:
+        with groups_released():
+            layouts.extend(run_many(rank, world, [job]))
+    for spec in collective_specs:
+        with groups_released():
+            collectives.append(model_collectives(rank, world, spec))
+    return layouts, collectives
 
 
 @pytest.fixture(scope="module")

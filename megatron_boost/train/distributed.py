@@ -3,6 +3,7 @@ rank-0 printing and shutdown."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -12,7 +13,8 @@ from megatron.core import parallel_state as ps
 
 from megatron_boost.compat import check_megatron_version
 
-__all__ = ["init_distributed", "init_world_of_one", "launched_by_torchrun", "shutdown", "print0"]
+__all__ = ["init_distributed", "init_world_of_one", "launched_by_torchrun", "shutdown", "print0",
+           "groups_released"]
 
 
 def init_distributed(device: str, timeout: datetime.timedelta) -> None:
@@ -55,6 +57,31 @@ def shutdown() -> None:
             dist.destroy_process_group()
     except Exception:  # pragma: no cover - best effort at exit
         pass
+
+
+def _registered_groups() -> set:
+    """The process groups torch.distributed holds registered in this process (the default one
+    included); torch has no public list of them."""
+    return set(dist.distributed_c10d._world.pg_map)
+
+
+@contextlib.contextmanager
+def groups_released():
+    """megatron's model-parallel groups, and every other process group made inside the block
+    (a model build makes one, model/specs.py), destroyed at its end. megatron's
+    ``destroy_model_parallel`` only forgets its groups (it destroys just its gloo copies of the
+    data-parallel ones): torch.distributed keeps the rest registered until the default group
+    ends, and each gloo group keeps its threads running until then, so a process that sets up
+    one layout after another (the test suite's layout checks) would gather about fifty
+    threads per layout at world 4."""
+    before = _registered_groups()
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        if dist.is_initialized():  # the default group is the caller's to end
+            for group in _registered_groups() - before - {dist.group.WORLD}:
+                dist.destroy_process_group(group)
 
 
 def print0(*args, **kwargs) -> None:
