@@ -166,17 +166,16 @@ def test_fused_residual_gradient_equals_autograds_add(results, variant):
 #: Stream-shaped adds that run in backward on the plain path: low-rank recompute re-runs the
 #: forward, whose bias-dropout-adds (the residual added back, two per call) run then.
 RECOMPUTED_FORWARD_ADDS = {"lowrank": 2 * 2}
-#: Forward adds of the residual left to the bda on the fused path, two per call: the
-#: pipelined chunks' B sides do not take it (parallel/pipeline.py), and with dropout on the
-#: tap does not offer it (dropout applies to the branch's output alone).
-BDA_ADDS = {"c=2": 2 * 2, "dropout": 2 * 2}
+#: Forward adds of the residual left to the bda on the fused path, two per call: with dropout
+#: on the tap does not offer it (dropout applies to the branch's output alone).
+BDA_ADDS = {"dropout": 2 * 2}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_no_residual_gradient_add_runs(results, variant):
     """Today's path adds the residual's gradient twice per call (attention's and the MLP's:
     four adds in two calls); the fused path none: the dgrad GEMMs add it (and a recomputed
-    forward adds the residual in its B GEMMs, or in the bda with the chunks)."""
+    forward adds the residual in its B GEMMs)."""
     forward = RECOMPUTED_FORWARD_ADDS.get(variant, 0)
     for res in results:
         fused, plain = res[variant]["ops"]
@@ -187,8 +186,8 @@ def test_no_residual_gradient_add_runs(results, variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_the_block_outputs_b_gemm_adds_the_residual(results, variant):
     """Today's path adds the residual back after the attention and the MLP (two adds per
-    call); the fused path in proj's and fc2's B GEMM (beta = 1): no add, except where the
-    chunks' pipeline leaves it to the bda."""
+    call); the fused path in proj's and fc2's B GEMM (beta = 1), block by block with the
+    chunks: no add, except with dropout on, where the bda adds it."""
     for res in results:
         fused, plain = res[variant]["forward_ops"]
         assert plain["adds"] == 2 * 2, res[variant]["forward_ops"]

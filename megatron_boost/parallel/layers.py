@@ -351,7 +351,8 @@ class BoostBottleneckGroup(BottleneckGroup):
         geometry = self._geometry()
         if self.config.bottleneck_overlap_chunks > 1:  # one pipeline over blocks of tokens
             return self.outputs(pipelined_bottleneck(x_in, w, self.B,
-                                                     self._plan(geometry, with_statistic)))
+                                                     self._plan(geometry, with_statistic),
+                                                     self._offered_residual(x_in, geometry)))
         # [s, b, Σr] and the fp32 [s, b, 1] sum of squares (None unless the fused norm
         # gathers it), complete on every rank: ONE GEMM for the group's A factors and ONE
         # all-reduce of the partial products; fwd AR(Σr (+1)), bwd identity (then the GEMMs'
@@ -366,13 +367,14 @@ class BoostBottleneckGroup(BottleneckGroup):
         residual = self._offered_residual(products, geometry)
         return self.outputs(up_project(products, sumsq, self.B, geometry, link, residual))
 
-    def _offered_residual(self, products: torch.Tensor, geometry: BottleneckGeometry):
+    def _offered_residual(self, tokens: torch.Tensor, geometry: BottleneckGeometry):
         """The layer's residual [s, b, d/t] for the B GEMM of the block's output (proj, fc2)
-        to add, as the residual tap offered it (``parallel/residual.py``); else None."""
+        to add, as the residual tap offered it (``parallel/residual.py``); else None.
+        ``tokens``: any [s, b, ...] tensor of the group's (its input, its products)."""
         group = getattr(type(self), "group", None)
         if group is None or not group.writes_residual:
             return None
-        return take_offered_residual((*products.shape[:-1], geometry.rows[0]), products.dtype)
+        return take_offered_residual((*tokens.shape[:-1], geometry.rows[0]), tokens.dtype)
 
     def _geometry(self) -> BottleneckGeometry:
         """The group's B side besides its tensors (``parallel/bottleneck.py``)."""

@@ -127,21 +127,27 @@ def _output_buffers(z_rows: int, b: torch.Tensor, plan: PipelinePlan) -> List[to
 
 
 def _up_block(out: torch.Tensor, sumsq: Optional[torch.Tensor], n: int, b: torch.Tensor,
-              ys: List[torch.Tensor], block: Block, plan: PipelinePlan) -> torch.Tensor:
-    """σ and the B GEMMs of one block of the reduced products: ys[p][block] = z_p · B_pᵀ.
-    Returns the block's z [rows, Σr] (kept for dB)."""
+              ys: List[torch.Tensor], block: Block, plan: PipelinePlan,
+              residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """σ and the B GEMMs of one block of the reduced products: ys[p][block] = z_p · B_pᵀ,
+    plus the residual's rows in the GEMM (beta = 1) when given (the block's output, one
+    projection: ``parallel/residual.py``). Returns the block's z [rows, Σr] (kept for dB)."""
     first, end = block
     z = plan.activation.forward(out[first:end, :n],
                                 None if sumsq is None else sumsq[first:end])
     for y, w, (c0, c1) in zip(ys, b.split(list(plan.rows), dim=0), plan.columns()):
-        torch.mm(z[:, c0:c1], w.t(), out=y[first:end])
+        if residual is None:
+            torch.mm(z[:, c0:c1], w.t(), out=y[first:end])
+        else:  # [rows, d/t] = [rows, d/t] + [rows, r]·[r, d/t]
+            torch.addmm(residual[first:end], z[:, c0:c1], w.t(), out=y[first:end])
     return z
 
 
 def _forward_blocks(x2d, w, b, out, sumsq, stat_handle, blocks: List[Block],
-                    plan: PipelinePlan, gemm: bool):
+                    plan: PipelinePlan, gemm: bool, residual: Optional[torch.Tensor]):
     """The forward pipeline (module docstring); ``gemm`` False (a low-rank recompute: ``out``
-    holds the recorded reduction) runs σ and the B GEMMs only. Returns (outputs, z blocks)."""
+    holds the recorded reduction) runs σ and the B GEMMs only; ``residual`` [s·b, d/t] is
+    added in the B GEMMs. Returns (outputs, z blocks)."""
     n = w.shape[0]
     ys, zs, pending = _output_buffers(x2d.shape[0], b, plan), [], None
     for block in blocks + [None]:
@@ -155,7 +161,7 @@ def _forward_blocks(x2d, w, b, out, sumsq, stat_handle, blocks: List[Block],
             if stat_handle is not None:
                 stat_handle.wait()
                 stat_handle = None
-            zs.append(_up_block(out, sumsq, n, b, ys, pending[0], plan))
+            zs.append(_up_block(out, sumsq, n, b, ys, pending[0], plan, residual))
         pending = None if block is None else (block, handle)
     return ys, zs
 
@@ -169,8 +175,10 @@ class _PipelinedBottleneck(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, b, plan: PipelinePlan):
+    def forward(ctx, x, w, b, plan: PipelinePlan, residual: Optional[torch.Tensor]):
         x2d = x.reshape(-1, x.shape[-1])  # [s·b, d_in/t]
+        if residual is not None:
+            residual = residual.reshape(-1, residual.shape[-1])  # [s·b, d/t]
         log = active_log() if plan.reduces() else None
         replaying = log is not None and log.replaying
         if replaying:
@@ -180,7 +188,7 @@ class _PipelinedBottleneck(torch.autograd.Function):
         # blocks of whole sequence positions: x2d's rows are token-major, b rows per position
         blocks = row_blocks(x2d.shape[0] // x.shape[0], x.shape[0], plan.chunks)
         ys, zs = _forward_blocks(x2d, w, b, out, sumsq, stat_handle, blocks, plan,
-                                 gemm=not replaying)
+                                 gemm=not replaying, residual=residual)
         if log is not None and not replaying:  # in issue order, once complete
             log.record(out)
             if plan.with_statistic and not statistic_rides_with_products(x.dtype):
@@ -206,7 +214,7 @@ class _PipelinedBottleneck(torch.autograd.Function):
         # a factor whose gradient went into its main_grad returns the dummy (parallel/wgrad.py)
         dw, db = [dummy_gradient(p) if mg is not None else d
                   for p, mg, d in zip((w, b), ctx.main_grads, (dw, db))]
-        return dx.view(x.shape), dw, db, None
+        return dx.view(x.shape), dw, db, None, None  # the residual's: the bda routes it
 
 
 def _replayed_buffer(log, n: int, dtype, plan: PipelinePlan):
@@ -280,8 +288,10 @@ def _backward_blocks(x2d, w, b, out, sumsq, zs, grads, blocks: List[Block],
 
 
 def pipelined_bottleneck(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-                         plan: PipelinePlan) -> List[torch.Tensor]:
+                         plan: PipelinePlan, residual: Optional[torch.Tensor] = None
+                         ) -> List[torch.Tensor]:
     """A boost group's outputs [s, b, out_p/t] from its hidden-, head- or ffn-sharded input x
     [s, b, d_in/t], the (γ-scaled) grouped A factor W and the grouped B factor, pipelined over
-    ``plan.chunks`` blocks of sequence positions (:class:`_PipelinedBottleneck`)."""
-    return list(_PipelinedBottleneck.apply(x, w, b, plan))
+    ``plan.chunks`` blocks of sequence positions (:class:`_PipelinedBottleneck`). ``residual``
+    (detached, the block's output only) is added in the B GEMMs."""
+    return list(_PipelinedBottleneck.apply(x, w, b, plan, residual))

@@ -28,8 +28,8 @@ pass over [s, b, d/t]). Here the tap offers x (:func:`offer` of the call's slot,
 variable) and that B side takes it (:func:`take_offered_residual`) and computes x + z·Bᵀ in
 the GEMM's epilogue (beta = 1, as megatron's fused TP inference kernel adds the residual inside
 ``linear_proj``); the bda then adds nothing. Only where the bda's dropout is off (inference, or
-``hidden_dropout`` = 0): dropout applies to y alone. A B side that does not take it (the
-pipelined chunks, another dtype) leaves it to the bda.
+``hidden_dropout`` = 0): dropout applies to y alone. A B side that does not take it (a
+residual of another dtype or shape) leaves it to the bda.
 
 Per call, never per module: the slot lives on the autograd nodes and on that call's tensor, so
 two micro-batches in flight (pipeline parallelism) and a low-rank recompute (a fresh forward
