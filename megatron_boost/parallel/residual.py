@@ -24,8 +24,8 @@ untouched:
 
 The forward is the mirror image. The block's output is y + x: the B GEMM of ``linear_proj``
 / ``linear_fc2`` (``up_project``) writes y, megatron's bda then adds x (another kernel, another
-pass over [s, b, d/t]). Here the tap offers x (:func:`offer` of the call's slot, in a context
-variable) and that B side takes it (:func:`take_offered_residual`) and computes x + z·Bᵀ in
+pass over [s, b, d/t]). Here the tap offers x (the call's slot, in a context variable) and that
+B side takes it (:func:`take_offered_residual`) and computes x + z·Bᵀ in
 the GEMM's epilogue (beta = 1, as megatron's fused TP inference kernel adds the residual inside
 ``linear_proj``); the bda then adds nothing. Only where the bda's dropout is off (inference, or
 ``hidden_dropout`` = 0): dropout applies to y alone. A B side that does not take it (a
