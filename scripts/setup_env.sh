@@ -35,7 +35,9 @@
 # The CPU build is always named with its +cpu local version, which PyPI does not carry, so a
 # multi-GB CUDA build is never installed by accident. Everything but torch is re-installed only
 # when pyproject.toml, requirements.txt, MCORE or TORCH changed since the last install, or when
-# an extra not installed yet is asked for (a stamp file in the environment).
+# an extra not installed yet is asked for (a stamp file in the environment). An environment
+# whose megatron-boost is another checkout's (an editable install follows the directory it was
+# made from: a shared VENV, a moved or deleted clone) gets this checkout's, without dependencies.
 case "${1:-}" in -h|--help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -325,6 +327,28 @@ EOF
   say "$what: $VENV ($versions; extras: ${extras:-none}); enter it with: . $VENV/bin/activate"
 }
 
+# The directory the environment imports megatron_boost from ("" when none): found, not imported,
+# from outside the repository (whose own directory would shadow the install).
+installed_from() {
+  (cd / && "$VENV/bin/python" -c 'import importlib.util as u, os
+spec = u.find_spec("megatron_boost")
+print(os.path.realpath(spec.submodule_search_locations[0]) if spec else "")' 2>/dev/null) || true
+}
+
+# A reused environment runs THIS checkout's code: an editable install made from another
+# directory is made again from this one (its dependencies are up to date by the stamp).
+# Sets REINSTALLED=1 when it installed.
+REINSTALLED=0
+ensure_this_checkout() {
+  local here from
+  here="$(pwd -P)/megatron_boost"
+  from=$(installed_from)
+  [ "$from" = "$here" ] && return 0
+  step "megatron-boost in $VENV is ${from:-not importable}, not this checkout's $here: installing this one (editable, without dependencies)"
+  pip_install --no-deps -e .
+  REINSTALLED=1
+}
+
 # ---- a virtual environment -------------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
   step "creating the virtual environment $VENV"
@@ -342,7 +366,12 @@ if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then
     [[ ",$installed," == *",$extra,"* ]] || needed=1
   done
   if [ "$needed" = 0 ]; then
-    report_ready "up to date, nothing installed" "$installed"
+    ensure_this_checkout
+    if [ "$REINSTALLED" = 1 ]; then
+      report_ready "up to date, this checkout's megatron-boost installed" "$installed"
+    else
+      report_ready "up to date, nothing installed" "$installed"
+    fi
     exit 0
   fi
   EXTRAS="$installed,$EXTRAS"

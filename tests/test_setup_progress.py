@@ -2,13 +2,17 @@
 megatron-core and the requirements, megatron-boost with its extras, the demo's extras, the
 byte-compilation), each with the time so far, and nothing of pip's. Run against a stand-in
 environment whose ``python`` and ``pip`` only record what they are asked (nothing is
-installed)."""
+installed). A reused environment, up to date by its stamp, is left alone when its
+megatron_boost is this checkout's, and gets this checkout's (editable, without dependencies)
+when it is another's or none (negative control: without that check, pip is never called)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,3 +54,59 @@ def test_setup_prints_one_line_per_step_as_it_goes(tmp_path):
     # every pip call ran quiet: the steps above are the whole output
     assert all(" -q " in f" {call} " for call in (venv / "bin" / "pip.log").read_text()
                .splitlines())
+
+
+#: A python like FAKE_PYTHON that finds megatron_boost in $FAKE_FROM (empty: nowhere).
+FAKE_PYTHON_FINDING = """#!/bin/sh
+case "$*" in
+  *"import torch"*) echo cpu; exit 0 ;;
+  *find_spec*) echo "$FAKE_FROM"; exit 0 ;;
+esac
+cat > /dev/null
+exit 0
+"""
+
+
+def _reused_environment(tmp_path, installed_from: str):
+    """setup_env.sh on an environment whose stamp says everything is installed, whose
+    megatron_boost lies in ``installed_from``: (its lines, pip's calls)."""
+    import hashlib
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for name, text in (("python", FAKE_PYTHON_FINDING), ("pip", FAKE_PIP)):
+        (venv / "bin" / name).write_text(text)
+        (venv / "bin" / name).chmod(0o755)
+    (venv / "bin" / "activate").write_text(f"export PATH={venv / 'bin'}:$PATH\n")
+    digest = hashlib.sha1(b"".join((ROOT / f).read_bytes()
+                                   for f in ("pyproject.toml", "requirements.txt"))).hexdigest()
+    (venv / ".megatron-boost-installed").write_text(
+        f"{digest}-any-any\nconvert,plot,tensorboard\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("MCORE", "TORCH", "EXTRAS")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), "--cpu"], cwd=ROOT,
+                          env=dict(env, VENV=str(venv), FAKE_FROM=installed_from),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    log = venv / "bin" / "pip.log"
+    return proc.stdout.splitlines(), log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_reused_environment_of_this_checkout_installs_nothing(tmp_path):
+    lines, pip_calls = _reused_environment(tmp_path, str(ROOT / "megatron_boost"))
+    assert pip_calls == [], pip_calls
+    assert lines[-1].startswith("setup_env.sh: up to date, nothing installed: "), lines
+
+
+@pytest.mark.parametrize("installed_from", ["/elsewhere/clone/megatron_boost", ""],
+                         ids=["another-checkout", "not-importable"])
+def test_a_reused_environment_of_another_checkout_gets_this_one(tmp_path, installed_from):
+    """An editable install follows the directory it was made from: an environment shared with
+    another clone (or left by a deleted one) would run that code, or none. Set-up installs this
+    checkout, without dependencies, and says so."""
+    lines, pip_calls = _reused_environment(tmp_path, installed_from)
+    assert pip_calls == ["install -q --no-compile --no-deps -e ."], pip_calls
+    said = installed_from or "not importable"
+    assert any(f"megatron-boost in {tmp_path / 'venv'} is {said}, not this checkout's "
+               f"{ROOT}/megatron_boost" in line for line in lines), lines
+    assert lines[-1].startswith(
+        "setup_env.sh: up to date, this checkout's megatron-boost installed: "), lines
