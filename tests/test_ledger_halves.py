@@ -4,9 +4,12 @@ profile's two streams (``perf/layer_time.py``).
 
 Checked: with the halves, the layer's forward and backward all-reduces are each exposed for
 less than a third of the time they are in the layer as built, and every kernel runs twice (the
-same GEMM work). Negative controls: halves that do not hand over leave the forward exposed; B
-sides that wait for dz at once (no dP left running for the A side) leave the backward
-exposed.
+same GEMM work). The layer's copies are the halves' own, outside the sub-blocks: forward, each
+half's rows in and the join; backward, each half's rows of the output gradient (made contiguous
+and writable at the join) and the join of dx. Negative controls: halves that do not hand over
+leave the forward exposed; B sides that wait for dz at once (no dP left running for the A side)
+leave the backward exposed; torch.cat for the join hands each half a strided gradient, which
+fc2's B side and fc1's A side each copy.
 """
 
 from __future__ import annotations
@@ -48,8 +51,18 @@ def built():
     return _timed(BUILT)
 
 
-def test_the_halves_hide_the_all_reduces_forward_and_backward(built):
-    (one, t_one), (two, t_two) = built, _timed(HALVES)
+@pytest.fixture(scope="module")
+def halves():
+    return _timed(HALVES)
+
+
+def _copies(ledger):
+    """(phase, scope) of every copy kernel, in issue order."""
+    return [(k.phase, k.scope) for k in ledger.kernels if k.kind == "copy"]
+
+
+def test_the_halves_hide_the_all_reduces_forward_and_backward(built, halves):
+    (one, t_one), (two, t_two) = built, halves
     assert t_two.exposed["fwd"] < t_one.exposed["fwd"] / 3, (t_two.exposed, t_one.exposed)
     assert t_two.exposed["bwd"] < t_one.exposed["bwd"] / 3, (t_two.exposed, t_one.exposed)
     assert t_two.total() < t_one.total()
@@ -68,3 +81,21 @@ def test_b_sides_that_wait_at_once_leave_the_backward_exposed(built):
     _, t_two = _timed(HALVES, ("megatron_boost.parallel.bottleneck.reduces_after_activation",
                                lambda link: False))
     assert t_two.exposed["bwd"] > 0.8 * t_one.exposed["bwd"], (t_two.exposed, t_one.exposed)
+
+
+def test_the_halves_copy_only_at_the_split_and_the_join(halves):
+    """Forward: each half's rows, the join; backward: each half's output gradient, the join of
+    dx. No sub-block copies a gradient (``join_halves``, parallel/interleave.py)."""
+    ledger, _ = halves
+    assert _copies(ledger) == [("fwd", "layer")] * 3 + [("bwd", "layer")] * 3, _copies(ledger)
+
+
+def test_torch_cat_for_the_join_makes_the_sub_blocks_copy():
+    """Negative control of the test above."""
+    import torch
+
+    ledger, _ = _timed(HALVES, ("megatron_boost.model.specs.join_halves",
+                                lambda halves: torch.cat(halves, dim=1)))
+    in_blocks = [c for c in _copies(ledger) if c[1] != "layer"]
+    assert sorted(in_blocks) == [("bwd", "mlp.linear_fc1")] * 2 + [("bwd", "mlp.linear_fc2")] * 2, \
+        _copies(ledger)

@@ -50,7 +50,7 @@ from megatron_boost.parallel.layers import (
     NaiveLinearProj,
     NaiveLinearQKV,
 )
-from megatron_boost.parallel.interleave import run_halves
+from megatron_boost.parallel.interleave import join_halves, run_halves
 from megatron_boost.parallel.recompute import lowrank_checkpoint
 from megatron_boost.parallel.residual import ResidualTap, residual_bias_dropout_add
 
@@ -119,7 +119,7 @@ class BottleneckTransformerLayer(TransformerLayer):
             own = dict(kwargs, attention_mask=masks[i]) if "attention_mask" in kwargs else kwargs
             return self._forward_whole(views[i].contiguous(), args, own)[0]
 
-        return torch.cat(run_halves(run, [0, 1]), dim=1), None  # [s, b, d/t]
+        return join_halves(run_halves(run, [0, 1])), None  # [s, b, d/t]
 
 
 def _batch_halves(mask, batch: int):

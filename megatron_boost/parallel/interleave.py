@@ -19,12 +19,15 @@ and restored after it, so each half sees its own.
 from __future__ import annotations
 
 import contextvars
+import weakref
 from typing import Callable, List, Sequence
 
 import torch
 from greenlet import getcurrent as _current, greenlet as _greenlet
 
-__all__ = ["current_half", "hand_over", "in_half", "run_halves"]
+from megatron_boost.parallel.residual import gradient_owner
+
+__all__ = ["current_half", "hand_over", "in_half", "join_halves", "run_halves"]
 
 
 class _HandOver:
@@ -83,3 +86,29 @@ def run_halves(fn: Callable, arguments: Sequence) -> List:
             if not g.dead:
                 g.throw()
     return results
+
+
+class _JoinHalves(torch.autograd.Function):
+    """fwd: the halves' outputs side by side along the batch, 2 x [s, b/2, d/t] -> [s, b, d/t].
+    bwd: each half's rows of the gradient as a contiguous tensor of its own (one copy each),
+    recorded with its owner slot as the half's bda's to write into (``parallel/residual.py``).
+    torch.cat's backward hands each half a strided view instead, which the B side of fc2 and
+    the A side of fc1 then each copy (two copies per half)."""
+
+    @staticmethod
+    def forward(ctx, owners, *halves):
+        ctx.owners = owners
+        return torch.cat(halves, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        halves = [g.contiguous() for g in grad.chunk(len(ctx.owners), dim=1)]  # [s, b/2, d/t]
+        for owner, g in zip(ctx.owners, halves):
+            owner.returned = weakref.ref(g)
+        return (None, *halves)
+
+
+def join_halves(halves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The halves' outputs [s, b/2, d/t] joined into the batch's [s, b, d/t]; in the backward
+    each half gets its gradient rows contiguous and writable (:class:`_JoinHalves`)."""
+    return _JoinHalves.apply([gradient_owner(h) for h in halves], *halves)

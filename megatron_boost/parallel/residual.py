@@ -61,8 +61,9 @@ import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.identity_op import IdentityOp
 
-__all__ = ["ResidualSlot", "ResidualTap", "as_next_layer_input", "residual_bias_dropout_add",
-           "residual_slot_of", "take_offered_residual", "take_residual_gradient"]
+__all__ = ["ResidualSlot", "ResidualTap", "as_next_layer_input", "gradient_owner",
+           "residual_bias_dropout_add", "residual_slot_of", "take_offered_residual",
+           "take_residual_gradient"]
 
 _SLOT_ATTRIBUTE = "_boost_residual_slot"
 """The attribute the tap puts on its input (megatron's ``residual``) for the bda to find."""
@@ -147,6 +148,17 @@ def _link_source(x: torch.Tensor, slot: ResidualSlot) -> None:
     node = x.grad_fn
     if node is not None and getattr(node, "_forward_cls", None) is _ResidualOut:
         node.source_slot = slot
+
+
+def gradient_owner(out: torch.Tensor) -> ResidualSlot:
+    """A slot standing in for the next tap of ``out``, for a consumer that hands ``out`` a
+    gradient of its own (a fresh tensor nobody else holds): that consumer records it as
+    ``returned`` in its backward, and when ``out`` is a boost bda's output, the A side that
+    takes this gradient accumulates into it in place (module docstring, in-place safety). The
+    interleaved halves' join is one (``parallel/interleave.py``)."""
+    slot = ResidualSlot()
+    _link_source(out, slot)
+    return slot
 
 
 class ResidualTap(IdentityOp):
