@@ -123,3 +123,27 @@ def test_without_the_hand_over_the_halves_run_one_after_the_other(results):
     """Negative control of the test above."""
     for res in results:
         assert res["issuers without hand-over"] == [0] * 4 + [1] * 4, res
+
+
+@pytest.mark.parametrize("s", [1, 3])
+def test_the_join_hands_each_half_a_gradient_of_its_own(s):
+    """The A side may accumulate into what the join hands a half (``join_halves``), so it is
+    a fresh contiguous tensor, never the caller's gradient: at s = 1 a half's rows of it are
+    contiguous already, and ``contiguous()`` would hand out the caller's memory (negative
+    control: the test fails there with it)."""
+    import torch
+
+    from megatron_boost.parallel.interleave import join_halves
+
+    halves = [torch.randn(s, 2, 5, requires_grad=True) * 1 for _ in range(2)]  # non-leaves
+    received = [None, None]
+    for i, h in enumerate(halves):  # a non-leaf's hook sees the very gradient the join returns
+        h.register_hook(lambda g, i=i: received.__setitem__(i, g))
+    grad = torch.randn(s, 4, 5)
+    caller = grad.untyped_storage().data_ptr(), grad.untyped_storage().nbytes()
+    join_halves(halves).backward(grad)
+    for i, g in enumerate(received):
+        assert g.is_contiguous()
+        start = g.untyped_storage().data_ptr()
+        assert not caller[0] <= start < caller[0] + caller[1], f"half {i} got the caller's memory"
+        assert torch.equal(g, grad.chunk(2, dim=1)[i])

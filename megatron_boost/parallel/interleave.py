@@ -102,7 +102,10 @@ class _JoinHalves(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        halves = [g.contiguous() for g in grad.chunk(len(ctx.owners), dim=1)]  # [s, b/2, d/t]
+        # a copy always (clone, not contiguous(): a chunk that happens to be contiguous, at
+        # s = 1, is the caller's memory, which the A side must not write into)
+        halves = [g.clone(memory_format=torch.contiguous_format)
+                  for g in grad.chunk(len(ctx.owners), dim=1)]  # [s, b/2, d/t] each
         for owner, g in zip(ctx.owners, halves):
             owner.returned = weakref.ref(g)
         return (None, *halves)
