@@ -330,7 +330,9 @@ EOF
 # The directory the environment imports megatron_boost from ("" when none): found, not imported,
 # from outside the repository (whose own directory would shadow the install).
 installed_from() {
-  (cd / && "$VENV/bin/python" -c 'import importlib.util as u, os
+  local py="$VENV/bin/python"
+  [[ "$py" == /* ]] || py="$PWD/$py"  # the venv's own python (not resolved), before the cd
+  (cd / && "$py" -c 'import importlib.util as u, os
 spec = u.find_spec("megatron_boost")
 print(os.path.realpath(spec.submodule_search_locations[0]) if spec else "")' 2>/dev/null) || true
 }

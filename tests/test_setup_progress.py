@@ -67,9 +67,10 @@ exit 0
 """
 
 
-def _reused_environment(tmp_path, installed_from: str):
+def _reused_environment(tmp_path, installed_from: str, relative: bool = False):
     """setup_env.sh on an environment whose stamp says everything is installed, whose
-    megatron_boost lies in ``installed_from``: (its lines, pip's calls)."""
+    megatron_boost lies in ``installed_from``: (its lines, pip's calls). ``relative``: VENV
+    given relative to the repository (as the default ``.venv`` is)."""
     import hashlib
 
     venv = tmp_path / "venv"
@@ -83,16 +84,22 @@ def _reused_environment(tmp_path, installed_from: str):
     (venv / ".megatron-boost-installed").write_text(
         f"{digest}-any-any\nconvert,plot,tensorboard\n")
     env = {k: v for k, v in os.environ.items() if k not in ("MCORE", "TORCH", "EXTRAS")}
+    # through a directory of the repository, so that the path means nothing from elsewhere
+    # (from /, a path of ../.. alone would still reach tmp_path)
+    named = f"tests/{os.path.relpath(venv, ROOT / 'tests')}" if relative else str(venv)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), "--cpu"], cwd=ROOT,
-                          env=dict(env, VENV=str(venv), FAKE_FROM=installed_from),
+                          env=dict(env, FAKE_FROM=installed_from, VENV=named),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     log = venv / "bin" / "pip.log"
     return proc.stdout.splitlines(), log.read_text().splitlines() if log.exists() else []
 
 
-def test_a_reused_environment_of_this_checkout_installs_nothing(tmp_path):
-    lines, pip_calls = _reused_environment(tmp_path, str(ROOT / "megatron_boost"))
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute-venv", "relative-venv"])
+def test_a_reused_environment_of_this_checkout_installs_nothing(tmp_path, relative):
+    """Also with VENV relative to the repository (the default .venv): the check runs the
+    environment's python from outside the repository, by its absolute path."""
+    lines, pip_calls = _reused_environment(tmp_path, str(ROOT / "megatron_boost"), relative)
     assert pip_calls == [], pip_calls
     assert lines[-1].startswith("setup_env.sh: up to date, nothing installed: "), lines
 
