@@ -337,20 +337,6 @@ spec = u.find_spec("megatron_boost")
 print(os.path.realpath(spec.submodule_search_locations[0]) if spec else "")' 2>/dev/null) || true
 }
 
-# A reused environment runs THIS checkout's code: an editable install made from another
-# directory is made again from this one (its dependencies are up to date by the stamp).
-# Sets REINSTALLED=1 when it installed.
-REINSTALLED=0
-ensure_this_checkout() {
-  local here from
-  here="$(pwd -P)/megatron_boost"
-  from=$(installed_from)
-  [ "$from" = "$here" ] && return 0
-  step "megatron-boost in $VENV is ${from:-not importable}, not this checkout's $here: installing this one (editable, without dependencies)"
-  pip_install --no-deps -e .
-  REINSTALLED=1
-}
-
 # ---- a virtual environment -------------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then
   step "creating the virtual environment $VENV"
@@ -368,11 +354,16 @@ if [ -f "$stamp" ] && [ "$(head -n1 "$stamp")" = "$want" ]; then
     [[ ",$installed," == *",$extra,"* ]] || needed=1
   done
   if [ "$needed" = 0 ]; then
-    ensure_this_checkout
-    if [ "$REINSTALLED" = 1 ]; then
-      report_ready "up to date, this checkout's megatron-boost installed" "$installed"
-    else
+    # A reused environment runs THIS checkout's code: an editable install made from another
+    # directory is made again from this one (its dependencies are up to date by the stamp).
+    from=$(installed_from)
+    here="$(pwd -P)/megatron_boost"
+    if [ "$from" = "$here" ]; then
       report_ready "up to date, nothing installed" "$installed"
+    else
+      step "megatron-boost in $VENV is ${from:-not importable}, not this checkout's $here: installing this one (editable, without dependencies)"
+      pip_install --no-deps -e .
+      report_ready "up to date, this checkout's megatron-boost installed" "$installed"
     fi
     exit 0
   fi

@@ -29,18 +29,32 @@ case "$*" in *-q*) ;; *) echo "Collecting something" ;; esac
 """
 
 
-def test_setup_prints_one_line_per_step_as_it_goes(tmp_path):
+def _stand_in_venv(tmp_path, python: str) -> Path:
+    """An environment of the stand-in ``python`` (its script's text), FAKE_PIP and an
+    ``activate`` that puts them first on PATH."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
-    for name, text in (("python", FAKE_PYTHON), ("pip", FAKE_PIP)):
+    for name, text in (("python", python), ("pip", FAKE_PIP)):
         (venv / "bin" / name).write_text(text)
         (venv / "bin" / name).chmod(0o755)
     (venv / "bin" / "activate").write_text(f"export PATH={venv / 'bin'}:$PATH\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("MCORE", "TORCH", "EXTRAS")}
+    return venv
+
+
+def _setup(venv: str, **env) -> subprocess.CompletedProcess:
+    """scripts/setup_env.sh --cpu on VENV ``venv`` (MCORE, TORCH and EXTRAS unset), which must
+    succeed."""
+    base = {k: v for k, v in os.environ.items() if k not in ("MCORE", "TORCH", "EXTRAS")}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), "--cpu"], cwd=ROOT,
-                          env=dict(env, VENV=str(venv)), capture_output=True, text=True,
+                          env=dict(base, VENV=venv, **env), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_setup_prints_one_line_per_step_as_it_goes(tmp_path):
+    venv = _stand_in_venv(tmp_path, FAKE_PYTHON)
+    proc = _setup(str(venv))
     lines = proc.stdout.splitlines()
     assert all(line.startswith("setup_env.sh: ") for line in lines), lines
     steps = [line.split("] ", 1)[1] for line in lines if line.startswith("setup_env.sh: [")]
@@ -73,24 +87,15 @@ def _reused_environment(tmp_path, installed_from: str, relative: bool = False):
     given relative to the repository (as the default ``.venv`` is)."""
     import hashlib
 
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    for name, text in (("python", FAKE_PYTHON_FINDING), ("pip", FAKE_PIP)):
-        (venv / "bin" / name).write_text(text)
-        (venv / "bin" / name).chmod(0o755)
-    (venv / "bin" / "activate").write_text(f"export PATH={venv / 'bin'}:$PATH\n")
+    venv = _stand_in_venv(tmp_path, FAKE_PYTHON_FINDING)
     digest = hashlib.sha1(b"".join((ROOT / f).read_bytes()
                                    for f in ("pyproject.toml", "requirements.txt"))).hexdigest()
     (venv / ".megatron-boost-installed").write_text(
         f"{digest}-any-any\nconvert,plot,tensorboard\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("MCORE", "TORCH", "EXTRAS")}
     # through a directory of the repository, so that the path means nothing from elsewhere
     # (from /, a path of ../.. alone would still reach tmp_path)
     named = f"tests/{os.path.relpath(venv, ROOT / 'tests')}" if relative else str(venv)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), "--cpu"], cwd=ROOT,
-                          env=dict(env, FAKE_FROM=installed_from, VENV=named),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = _setup(named, FAKE_FROM=installed_from)
     log = venv / "bin" / "pip.log"
     return proc.stdout.splitlines(), log.read_text().splitlines() if log.exists() else []
 
